@@ -1,0 +1,349 @@
+"""The SGLang adapter: ``HiCacheStorage`` over one :class:`TierStore`.
+
+The only module that imports SGLang. It maps SGLang's call families onto the
+store, derives each pool's namespace fingerprint and host-memory page plan, and
+turns every exception into misses / ``False`` with a counter and a rate-limited
+log line: SGLang aborts a whole batch on an exception, so none may escape.
+
+SGLang builds it as ``TierStoreBackend(storage_config, kwargs)`` and registers
+the host pools afterwards (``register_mem_pool_host`` for the KV anchor,
+``register_mem_host_pool_v2`` per side pool).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, TypeVar
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
+)
+
+from sglang_tierstore.config import TierStoreConfig
+from sglang_tierstore.embedded import ensure_embedded_redis
+from sglang_tierstore.errors import IndexUnavailable
+from sglang_tierstore.eviction import Housekeeper
+from sglang_tierstore.hostmem import PagePlan, tensor_bytes
+from sglang_tierstore.store import Namespace, TierStore
+
+logger = logging.getLogger(__name__)
+
+F = TypeVar("F", bound=Callable[..., Any])
+KV = str(PoolName.KV)
+
+
+@dataclass(frozen=True)
+class _Pool:
+    """A registered host pool: its namespace and how to reach its page bytes."""
+
+    host_pool: Any
+    ns: Namespace
+    plan: Optional[PagePlan]  # None: the pool's layout needs the copy path
+
+
+def _guarded(fallback: Callable[..., Any]) -> Callable[[F], F]:
+    """Turn any exception into ``fallback(*args)``, a counter and a log line."""
+
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def inner(self: "TierStoreBackend", *args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(self, *args, **kwargs)
+            except IndexUnavailable as e:
+                self.store.metrics.error("index_unavailable")
+                self.store.log.warning("index", "%s: %s; answering misses", fn.__name__, e)
+            except Exception as e:
+                self.store.metrics.error("internal")
+                self.store.log.warning(f"internal:{fn.__name__}", "%s failed: %r", fn.__name__, e)
+            return fallback(*args, **kwargs)
+
+        return inner  # type: ignore[return-value]
+
+    return wrap
+
+
+def _no_pages(keys: List[str], *_: Any, **__: Any) -> List[bool]:
+    return [False] * len(keys)
+
+
+def _no_pool_results(transfers: List[PoolTransfer], *_: Any, **__: Any) -> dict[str, List[bool]]:
+    return {str(t.name): [False] * len(t.keys or []) for t in transfers}
+
+
+def _leading(flags: List[bool]) -> int:
+    return next((i for i, f in enumerate(flags) if not f), len(flags))
+
+
+class TierStoreBackend(HiCacheStorage):
+    """SGLang HiCache L3 backend: Redis index + preallocated NVMe slot files."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None) -> None:
+        self.cfg = TierStoreConfig.from_dict(storage_config.extra_config)
+        self.storage_config = storage_config
+        embedded = self.cfg.redis_url is None
+        url = self.cfg.redis_url or ensure_embedded_redis(self.cfg.path[0], self.cfg.redis_server)
+        self.store = TierStore(self.cfg, url)
+        on_down = (lambda: ensure_embedded_redis(self.cfg.path[0], self.cfg.redis_server)) if embedded else None
+        self.housekeeper = Housekeeper(self.store, on_index_down=on_down)
+        self.housekeeper.start()
+        self._pools: dict[str, _Pool] = {}
+        self._lock = threading.Lock()
+        self._io_stats: dict[str, list[float]] = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [], "backup_bandwidth": []}
+        self._closed = False
+        logger.info("tierstore: index %s, page files under %s, capacity %.1f GiB", "embedded " + url if embedded else url, ", ".join(self.cfg.path), self.cfg.capacity_gb)
+
+    # -- registration -----------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        self._register(KV, mem_pool_host)
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        self._register(str(host_pool_name), host_pool)
+
+    def _register(self, name: str, host_pool: Any) -> None:
+        page_size = int(host_pool.page_size)
+        num_pages = int(host_pool.size) // page_size
+        plan: Optional[PagePlan]
+        try:
+            plan = PagePlan(lambda i: host_pool.get_data_page(i, flat=False), page_size, num_pages)
+            page_bytes = plan.page_bytes
+        except Exception as e:  # a layout we cannot address in place: copy through flat pages
+            logger.info("tierstore: pool %s uses the copy path (%s)", name, e)
+            plan = None
+            page_bytes = host_pool.get_dummy_flat_data_page().numel() * host_pool.dtype.itemsize
+        ns = self.store.namespace(self._fingerprint(name, host_pool, plan), page_bytes)
+        with self._lock:
+            self._pools[name] = _Pool(host_pool, ns, plan)
+        logger.info("tierstore: pool %s -> namespace %s (%s)", name, ns.ns, ns.description)
+
+    def _fingerprint(self, name: str, pool: Any, plan: Optional[PagePlan]) -> dict[str, object]:
+        """Everything that makes this pool's page bytes incompatible with another's."""
+        c = self.storage_config
+        shared_mla = c.is_mla_model and name == KV  # MLA KV is identical on every TP rank
+        fields: dict[str, object] = {
+            "model": c.model_name or "",
+            "pool": name,
+            "pool_class": type(pool).__name__,
+            "dtype": str(pool.dtype),
+            "layout": getattr(pool, "layout", ""),
+            "page_size": pool.page_size,
+            "regions": plan.region_sizes if plan is not None else "flat",
+            "pp": f"{c.pp_rank}/{c.pp_size}",
+            "cp": f"{c.attn_cp_rank}/{c.attn_cp_size}",
+            "dcp": f"{c.dcp_rank}/{c.dcp_size}",
+            "tp": f"*/{c.tp_size}" if shared_mla and c.dcp_size > 1 else "*" if shared_mla else f"{c.tp_rank}/{c.tp_size}",
+            "split_heads": c.should_split_heads,
+        }
+        return fields
+
+    def _pool(self, name: str) -> _Pool:
+        pool = self._pools.get(name)
+        if pool is None:
+            raise LookupError(f"no host pool registered under {name!r}")
+        return pool
+
+    # -- page buffers -------------------------------------------------------------
+
+    def _host_pages(self, pool: _Pool, keys: List[str], host_indices: torch.Tensor) -> list[int]:
+        ps = pool.plan.page_size if pool.plan is not None else int(pool.host_pool.page_size)
+        if host_indices is None or host_indices.numel() != len(keys) * ps:
+            got = None if host_indices is None else host_indices.numel()
+            raise ValueError(f"{len(keys)} keys need {len(keys) * ps} host indices, got {got}")
+        return host_indices[::ps].tolist() if keys else []
+
+    def _read_into_pool(self, pool: _Pool, keys: List[str], host_indices: torch.Tensor) -> List[bool]:
+        starts = self._host_pages(pool, keys, host_indices)
+        if pool.plan is not None:
+            return self.store.read(pool.ns, keys, pool.plan.regions_many(starts), pool.plan.aligned)
+        pages = [pool.host_pool.get_dummy_flat_data_page() for _ in keys]
+        ok = self.store.read(pool.ns, keys, [[tensor_bytes(p)] for p in pages], False)
+        for start, page, hit in zip(starts, pages, ok):
+            if hit:
+                pool.host_pool.set_from_flat_data_page(start, page)
+        return ok
+
+    def _write_from_pool(self, pool: _Pool, keys: List[str], host_indices: torch.Tensor) -> List[bool]:
+        starts = self._host_pages(pool, keys, host_indices)
+        if pool.plan is not None:
+            return self.store.write(pool.ns, keys, pool.plan.regions_many(starts), pool.plan.aligned)
+        pages = [pool.host_pool.get_data_page(s, flat=True).contiguous() for s in starts]
+        return self.store.write(pool.ns, keys, [[tensor_bytes(p)] for p in pages], False)
+
+    def _record(self, kind: str, ok: List[bool], page_bytes: int, t0: float) -> None:
+        pages = _leading(ok)
+        dt = max(time.perf_counter() - t0, 1e-9)
+        with self._lock:
+            self._io_stats[f"{kind}_pgs"].append(pages)
+            self._io_stats[f"{kind}_bandwidth"].append(pages * page_bytes / dt / 1e9)
+
+    # -- v1: zero-copy KV ---------------------------------------------------------
+
+    @_guarded(lambda keys, *a, **k: 0)
+    def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
+        (found,) = self.store.exists([(self._pool(KV).ns, keys)])
+        hits = _leading(found)
+        self.store.metrics.pages("probe", "hit", hits)
+        self.store.metrics.pages("probe", "miss", len(keys) - hits)
+        return hits
+
+    @_guarded(_no_pages)
+    def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+        t0 = time.perf_counter()
+        pool = self._pool(KV)
+        ok = self._read_into_pool(pool, keys, host_indices)
+        self._record("prefetch", ok, pool.ns.page_bytes, t0)
+        return ok
+
+    @_guarded(_no_pages)
+    def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+        t0 = time.perf_counter()
+        pool = self._pool(KV)
+        ok = self._write_from_pool(pool, keys, host_indices)
+        self._record("backup", ok, pool.ns.page_bytes, t0)
+        return ok
+
+    # -- v2: every pool, with hit policies ------------------------------------------
+
+    @_guarded(lambda keys, *a, **k: PoolTransferResult.empty())
+    def batch_exists_v2(
+        self,
+        keys: List[str],
+        pool_transfers: Optional[List[PoolTransfer]] = None,
+        extra_info: Optional[HiCacheStorageExtraInfo] = None,
+    ) -> PoolTransferResult:
+        transfers = list(pool_transfers or [])
+        groups = [(self._pool(KV).ns, keys)]
+        for t in transfers:
+            pool_keys = t.keys if t.hit_policy == PoolHitPolicy.BLOCK_GROUPS and t.keys is not None else keys
+            groups.append((self._pool(str(t.name)).ns, pool_keys))
+        found = self.store.exists(groups)
+        kv_pages = _leading(found[0])
+        self.store.metrics.pages("probe", "hit", kv_pages)
+        self.store.metrics.pages("probe", "miss", len(keys) - kv_pages)
+        hit_count: dict[str, int] = {KV: kv_pages} if kv_pages else {}
+        restorable = set(range(1, kv_pages + 1))
+        for t, present in zip(transfers, found[1:]):
+            name = str(t.name)
+            if t.hit_policy == PoolHitPolicy.BLOCK_GROUPS:
+                # Its own verdict, never a gate on the KV hit.
+                covered = self._block_group_pages(t, present)
+                if covered:
+                    hit_count[name] = min(covered, kv_pages)
+                continue
+            if t.hit_policy == PoolHitPolicy.ALL_PAGES:
+                boundary = _leading(present[:kv_pages])
+                pool_ok = set(range(1, boundary + 1))
+            elif t.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+                window = max(1, len(t.keys) if t.keys else 1)
+                pool_ok = {n for n in range(1, kv_pages + 1) if all(present[max(0, n - window) : n])}
+                boundary = max(pool_ok, default=0)
+            else:
+                raise ValueError(f"unsupported hit policy {t.hit_policy!r} for pool {name}")
+            if boundary:
+                hit_count[name] = boundary
+            restorable &= pool_ok
+        ordered = sorted(restorable)
+        return PoolTransferResult(ordered[-1] if ordered else 0, hit_count, ordered)
+
+    @staticmethod
+    def _block_group_pages(t: PoolTransfer, present: List[bool]) -> int:
+        if t.group_pages <= 0 or t.block_pages <= 0:
+            raise ValueError(f"pool {t.name}: BLOCK_GROUPS needs positive group_pages and block_pages")
+        groups = 0
+        while (groups + 1) * t.group_pages <= len(present) and all(present[groups * t.group_pages : (groups + 1) * t.group_pages]):
+            groups += 1
+        return groups * t.block_pages
+
+    @_guarded(_no_pool_results)
+    def batch_get_v2(self, transfers: List[PoolTransfer], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict[str, List[bool]]:
+        return self._each_transfer(transfers, self._read_into_pool)
+
+    @_guarded(_no_pool_results)
+    def batch_set_v2(self, transfers: List[PoolTransfer], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict[str, List[bool]]:
+        return self._each_transfer(transfers, self._write_from_pool)
+
+    def _each_transfer(self, transfers: List[PoolTransfer], op: Callable[[_Pool, List[str], torch.Tensor], List[bool]]) -> dict[str, List[bool]]:
+        out: dict[str, List[bool]] = {}
+        for t in transfers:
+            keys = list(t.keys or [])
+            try:
+                out[str(t.name)] = op(self._pool(str(t.name)), keys, t.host_indices)
+            except IndexUnavailable:
+                raise
+            except Exception as e:  # one bad transfer does not sink the others
+                self.store.metrics.error("internal")
+                self.store.log.warning(f"transfer:{t.name}", "pool %s transfer failed: %r", t.name, e)
+                out[str(t.name)] = [False] * len(keys)
+        return out
+
+    # -- legacy: flat page tensors ------------------------------------------------
+
+    @_guarded(lambda keys, *a, **k: [None] * len(keys))
+    def batch_get(self, keys: List[str], target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None) -> List[Optional[torch.Tensor]]:
+        pool = self._pool(KV)
+        pages = list(target_locations) if target_locations is not None else [pool.host_pool.get_dummy_flat_data_page() for _ in keys]
+        ok = self.store.read(pool.ns, keys, [[tensor_bytes(p)] for p in pages], False)
+        return [p if hit else None for p, hit in zip(pages, ok)]
+
+    @_guarded(lambda keys, *a, **k: False)
+    def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None) -> bool:
+        if values is None or len(values) != len(keys):
+            raise ValueError(f"batch_set needs one page tensor per key: {len(keys)} keys")
+        pages = [v.contiguous() for v in values]
+        return all(self.store.write(self._pool(KV).ns, keys, [[tensor_bytes(p)] for p in pages], False))
+
+    def get(self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None) -> Optional[torch.Tensor]:
+        return self.batch_get([key], None if target_location is None else [target_location])[0]
+
+    def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None) -> bool:
+        return self.batch_set([key], None if value is None else [value])
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    # -- housekeeping and lifecycle -------------------------------------------------
+
+    @_guarded(lambda *a, **k: None)
+    def clear(self) -> None:
+        """Drop every page of this backend's namespaces (other models' pages stay)."""
+        with self._lock:
+            namespaces = [p.ns for p in self._pools.values()]
+        n = self.store.clear(namespaces)
+        logger.info("tierstore: cleared %d pages", n)
+
+    def get_stats(self) -> Any:
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        with self._lock:
+            stats, self._io_stats = self._io_stats, {k: [] for k in self._io_stats}
+        return StorageMetrics(**stats)  # type: ignore[arg-type]
+
+    def check(self, fix: bool = False) -> list[str]:
+        """Compare the index with the page files (see TierStore.check)."""
+        return self.store.check(fix)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.housekeeper.stop()
+        self.store.close()
+
+    def __enter__(self) -> "TierStoreBackend":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,205 @@
+"""Configuration: one frozen dataclass built from SGLang's ``extra_config`` dict.
+
+Every key lives in ``SETTINGS`` (name, default, check, meaning); README's table is
+generated from it (``python -m sglang_tierstore.config``). Unknown keys and bad
+values raise :class:`ConfigError` naming the key. Keys that SGLang itself reads
+from the same dict are accepted and left alone.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Mapping, NamedTuple, Optional
+
+from sglang_tierstore.errors import ConfigError
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+# Keys SGLang (or its built-in file backend) reads from the same JSON; see SGLANG.md.
+SGLANG_KEYS = frozenset(
+    {
+        "backend_name",
+        "module_path",
+        "class_name",
+        "interface_v1",
+        "allocator",
+        "prefetch_threshold",
+        "prefetch_timeout_base",
+        "prefetch_timeout_per_ki_token",
+        "hicache_storage_pass_prefix_keys",
+        "tp_lcm_size",
+        "file_storage_path",
+        "enable_metadata_cache",
+        "metadata_ttl",
+        "max_size",
+        "min_free_space",
+        "eviction_ratio",
+    }
+)
+
+
+def _positive_number(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ValueError(f"expected a positive number, got {v!r}")
+    return float(v)
+
+
+def _positive_int(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise ValueError(f"expected a positive integer, got {v!r}")
+    return v
+
+
+def _fraction(v: Any) -> float:
+    f = _positive_number(v)
+    if f >= 0.5:
+        raise ValueError(f"expected a fraction in (0, 0.5), got {v!r}")
+    return f
+
+
+def _bool(v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ValueError(f"expected true or false, got {v!r}")
+    return v
+
+
+def _str(v: Any) -> str:
+    if not isinstance(v, str):
+        raise ValueError(f"expected a string, got {v!r}")
+    return v
+
+
+def _redis_url(v: Any) -> Optional[str]:
+    if v is None:
+        return None
+    s = _str(v)
+    if not s.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError(f"expected redis://, rediss:// or unix:// URL, got {v!r}")
+    return s
+
+
+def _paths(v: Any) -> tuple[str, ...]:
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, (list, tuple)) or not items:
+        raise ValueError(f"expected a directory or a non-empty list of directories, got {v!r}")
+    for p in items:
+        if not isinstance(p, str) or not p:
+            raise ValueError(f"expected directory names, got {p!r}")
+    if len(set(items)) != len(items):
+        raise ValueError(f"directories must be distinct, got {v!r}")
+    return tuple(items)
+
+
+def _choice(*options: str) -> Callable[[Any], str]:
+    def check(v: Any) -> str:
+        if v not in options:
+            raise ValueError(f"expected one of {', '.join(options)}, got {v!r}")
+        return str(v)
+
+    return check
+
+
+class Setting(NamedTuple):
+    default: Any
+    check: Callable[[Any], Any]
+    doc: str
+
+
+# The one table of settings. `path` has no default: it falls back to SGLang's
+# `file_storage_path` (from --file-storage-path) and is required otherwise.
+SETTINGS: dict[str, Setting] = {
+    "path": Setting(None, _paths, "Directory for page files, or a list of directories (one per NVMe device) that files are striped over."),
+    "redis_url": Setting(None, _redis_url, "Redis holding the index. Unset: start (or join) an embedded redis-server on a unix socket under the first path, with AOF there."),
+    "capacity_gb": Setting(64.0, _positive_number, "Upper bound on page-file bytes on disk (GiB), over every directory."),
+    "namespace": Setting("", _str, "Extra namespace mixed into every key (e.g. a model revision): stores with different namespaces never share pages."),
+    "redis_prefix": Setting("tierstore", _str, "Prefix of every Redis key this store owns; stores with different prefixes are independent."),
+    "file_size_mb": Setting(1024, _positive_int, "Size of one preallocated page file (MiB); capacity grows and is accounted a file at a time."),
+    "io_threads": Setting(8, _positive_int, "Threads issuing preadv/pwritev in parallel (queue depth)."),
+    "o_direct": Setting(True, _bool, "Use O_DIRECT when buffers are 4 KiB aligned and the filesystem allows it; buffered I/O otherwise."),
+    "fsync": Setting("none", _choice("none", "commit"), "`commit`: fdatasync page files before a write is published; `none`: rely on checksums after a crash."),
+    "redis_timeout_s": Setting(0.5, _positive_number, "Socket timeout of every Redis call: an upper bound on how long Redis trouble can stall a batch."),
+    "redis_retry_s": Setting(1.0, _positive_number, "After a Redis failure, answer misses without trying Redis for this long, then try again."),
+    "lease_s": Setting(60.0, _positive_number, "A reserved slot not committed within this time is reclaimed (writer crashed or stalled)."),
+    "housekeeping_s": Setting(0.2, _positive_number, "Period of the housekeeping thread (recency flush, lease reclaim, eviction ahead of need)."),
+    "free_target": Setting(0.02, _fraction, "Once a slot class is full, housekeeping evicts LRU pages until this fraction of its slots is free."),
+    "log_interval_s": Setting(10.0, _positive_number, "At most one log line per kind of failure in this interval."),
+    "redis_server": Setting("redis-server", _str, "redis-server binary for the embedded Redis."),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class TierStoreConfig:
+    """Validated, immutable settings; build with :meth:`from_dict`."""
+
+    path: tuple[str, ...]
+    redis_url: Optional[str] = SETTINGS["redis_url"].default
+    capacity_gb: float = SETTINGS["capacity_gb"].default
+    namespace: str = SETTINGS["namespace"].default
+    redis_prefix: str = SETTINGS["redis_prefix"].default
+    file_size_mb: int = SETTINGS["file_size_mb"].default
+    io_threads: int = SETTINGS["io_threads"].default
+    o_direct: bool = SETTINGS["o_direct"].default
+    fsync: str = SETTINGS["fsync"].default
+    redis_timeout_s: float = SETTINGS["redis_timeout_s"].default
+    redis_retry_s: float = SETTINGS["redis_retry_s"].default
+    lease_s: float = SETTINGS["lease_s"].default
+    housekeeping_s: float = SETTINGS["housekeeping_s"].default
+    free_target: float = SETTINGS["free_target"].default
+    log_interval_s: float = SETTINGS["log_interval_s"].default
+    redis_server: str = SETTINGS["redis_server"].default
+
+    @property
+    def capacity_bytes(self) -> int:
+        return int(self.capacity_gb * GiB)
+
+    @property
+    def file_bytes(self) -> int:
+        return self.file_size_mb * MiB
+
+    @classmethod
+    def from_dict(cls, extra: Optional[Mapping[str, Any]]) -> "TierStoreConfig":
+        """Validate ``extra`` (SGLang's extra_config); raise ConfigError naming the key."""
+        extra = dict(extra or {})
+        unknown = sorted(k for k in extra if k not in SETTINGS and k not in SGLANG_KEYS)
+        if unknown:
+            raise ConfigError(
+                f"tierstore: unknown config key(s) {', '.join(map(repr, unknown))}; "
+                f"known keys: {', '.join(sorted(SETTINGS))}"
+            )
+        if extra.get("path") is None and extra.get("file_storage_path"):
+            extra["path"] = extra["file_storage_path"]
+        if extra.get("path") is None:
+            raise ConfigError("tierstore config key 'path': required (a directory for page files)")
+        values: dict[str, Any] = {}
+        for name, setting in SETTINGS.items():
+            if name not in extra:
+                continue
+            try:
+                values[name] = setting.check(extra[name])
+            except ValueError as e:
+                raise ConfigError(f"tierstore config key {name!r}: {e}") from None
+        cfg = cls(**values)
+        if cfg.file_bytes > cfg.capacity_bytes:
+            raise ConfigError(
+                f"tierstore config key 'file_size_mb': {cfg.file_size_mb} MiB exceeds "
+                f"capacity_gb={cfg.capacity_gb}; lower file_size_mb"
+            )
+        return cfg
+
+
+assert [f.name for f in fields(TierStoreConfig)] == list(SETTINGS), "SETTINGS and TierStoreConfig disagree"
+
+
+def markdown_table() -> str:
+    """README's table of settings, generated from SETTINGS."""
+    rows = ["| key | default | meaning |", "|---|---|---|"]
+    for name, s in SETTINGS.items():
+        default = "(required)" if name == "path" else "unset" if s.default is None else f"`{s.default!r}`"
+        rows.append(f"| `{name}` | {default} | {s.doc} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown_table())

@@ -1,0 +1,28 @@
+"""One exception root for the package.
+
+Each subclass also inherits the builtin it stands for, so callers that only know
+``OSError`` or ``ValueError`` still catch it. Only the SGLang adapter turns these
+into misses and ``False``; everything below it raises.
+"""
+
+from __future__ import annotations
+
+
+class TierStoreError(Exception):
+    """Root of every error raised by sglang_tierstore."""
+
+
+class ConfigError(TierStoreError, ValueError):
+    """A configuration key has a bad value, or is unknown."""
+
+
+class IndexUnavailable(TierStoreError, ConnectionError):
+    """The Redis index cannot be reached (down, slow, or backing off)."""
+
+
+class PageIOError(TierStoreError, OSError):
+    """Reading or writing a page file failed."""
+
+
+class EmbeddedRedisError(TierStoreError, RuntimeError):
+    """The embedded redis-server cannot be started."""

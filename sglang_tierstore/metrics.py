@@ -1,0 +1,96 @@
+"""Counters (Prometheus and per-store), and rate-limited logging of failures.
+
+Prometheus metrics are process-wide (one registry per process; SGLang's /metrics
+serves them with --enable-metrics). Each store also keeps its own counts, which
+``TierStore.stats()`` returns and tests read.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time as mod_time
+from collections import Counter as _Counter
+from typing import Callable
+
+from prometheus_client import Counter, Histogram
+
+PAGES = Counter(
+    "tierstore_pages_total",
+    "Pages handled by tierstore, by operation and outcome.",
+    ["op", "outcome"],
+)
+BYTES = Counter("tierstore_bytes_total", "Page bytes moved to or from page files.", ["op"])
+ERRORS = Counter("tierstore_errors_total", "Failures turned into misses or failed writes, by kind.", ["kind"])
+HOUSEKEEPING = Counter(
+    "tierstore_housekeeping_total", "Slots moved by housekeeping: leases reclaimed, pages evicted, quarantines released.", ["action"]
+)
+LATENCY = Histogram(
+    "tierstore_batch_seconds",
+    "Wall time of one batch call, by operation.",
+    ["op"],
+    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0),
+)
+
+
+class Metrics:
+    """Per-store counts mirrored into the process-wide Prometheus metrics."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.counts: _Counter[str] = _Counter()
+
+    def pages(self, op: str, outcome: str, n: int = 1) -> None:
+        if n:
+            PAGES.labels(op, outcome).inc(n)
+            self._add(f"{op}_{outcome}", n)
+
+    def bytes(self, op: str, n: int) -> None:
+        if n:
+            BYTES.labels(op).inc(n)
+            self._add(f"{op}_bytes", n)
+
+    def error(self, kind: str, n: int = 1) -> None:
+        ERRORS.labels(kind).inc(n)
+        self._add(f"error_{kind}", n)
+
+    def housekeeping(self, action: str, n: int) -> None:
+        if n:
+            HOUSEKEEPING.labels(action).inc(n)
+            self._add(action, n)
+
+    def observe(self, op: str, seconds: float) -> None:
+        LATENCY.labels(op).observe(seconds)
+
+    def _add(self, name: str, n: int) -> None:
+        with self._lock:
+            self.counts[name] += n
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.counts)
+
+
+class RateLimitedLog:
+    """At most one line per kind of failure per interval, with the count suppressed."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float, clock: Callable[[], float] = mod_time.monotonic) -> None:
+        self._logger = logger
+        self._interval = interval_s
+        self._clock = clock
+        self._last: dict[str, float] = {}
+        self._suppressed: _Counter[str] = _Counter()
+        self._lock = threading.Lock()
+
+    def warning(self, kind: str, msg: str, *args: object) -> None:
+        now = self._clock()
+        with self._lock:
+            if now - self._last.get(kind, -1e18) < self._interval:
+                self._suppressed[kind] += 1
+                return
+            self._last[kind] = now
+            skipped = self._suppressed.pop(kind, 0)
+        if skipped:
+            msg += " (%d similar suppressed)"
+            args = (*args, skipped)
+        self._logger.warning("tierstore " + msg, *args)

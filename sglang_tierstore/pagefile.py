@@ -1,0 +1,195 @@
+"""Page files: preallocated files of fixed-size slots. Knows offsets, not keys.
+
+A slot class is one slot size; its slots are numbered 0.. and live in files of
+``slots_per_file`` slots, file ``n`` in directory ``paths[n % len(paths)]``
+(striping over devices)::
+
+    <dir>/c<slot_size>/f<n>.slots      slot i at offset (i % slots_per_file) * slot_size
+
+A slot is a 4 KiB header block followed by the page bytes, padded to 4 KiB so
+every slot starts O_DIRECT-aligned. The header names what was written there
+(key digest, generation, length, checksum of the bytes): a reader compares it
+with what the index promised, so stale, torn or rotten slots read as misses.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import struct
+import threading
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import xxhash
+
+from sglang_tierstore.errors import PageIOError
+from sglang_tierstore.hostmem import ALIGN
+
+HEADER_BYTES = ALIGN
+_MAGIC = b"TSPAGE01"
+_HEADER = struct.Struct("<8s16sQQQ")  # magic, key digest, generation, length, checksum
+
+
+def round_up(n: int, to: int = ALIGN) -> int:
+    return (n + to - 1) // to * to
+
+
+def slot_size_for(page_bytes: int) -> int:
+    return HEADER_BYTES + round_up(page_bytes)
+
+
+def key_digest(entry_key: bytes) -> bytes:
+    return xxhash.xxh3_128_digest(entry_key)
+
+
+def checksum(regions: Sequence[memoryview]) -> int:
+    h = xxhash.xxh3_64()
+    for r in regions:
+        h.update(r)
+    return h.intdigest()
+
+
+def pack_header(digest: bytes, gen: int, length: int, cks: int) -> bytes:
+    return _HEADER.pack(_MAGIC, digest, gen, length, cks)
+
+
+@dataclass(frozen=True, slots=True)
+class SlotClass:
+    slot_size: int
+    slots_per_file: int
+
+    @property
+    def name(self) -> str:
+        return str(self.slot_size)
+
+    @property
+    def file_bytes(self) -> int:
+        return self.slot_size * self.slots_per_file
+
+
+class _HeaderBuffers(threading.local):
+    """One page-aligned header block per thread (O_DIRECT needs aligned buffers)."""
+
+    def __init__(self) -> None:
+        self.block = mmap.mmap(-1, HEADER_BYTES)
+        self.view = memoryview(self.block)
+
+
+class PageFiles:
+    """Open (creating and preallocating) page files; positioned I/O of one slot."""
+
+    def __init__(self, paths: Sequence[str], o_direct: bool, fsync: bool) -> None:
+        self.paths = tuple(paths)
+        self.o_direct = o_direct and hasattr(os, "O_DIRECT")
+        self.fsync = fsync
+        self._fds: dict[tuple[int, int], tuple[int, int]] = {}
+        self._lock = threading.Lock()
+        self._hdr = _HeaderBuffers()
+        for p in self.paths:
+            os.makedirs(p, exist_ok=True)
+
+    def file_path(self, cls: SlotClass, file_no: int) -> str:
+        d = self.paths[file_no % len(self.paths)]
+        return os.path.join(d, f"c{cls.slot_size}", f"f{file_no:06d}.slots")
+
+    def locate(self, cls: SlotClass, slot: int) -> tuple[int, int]:
+        """(file number, byte offset) of a slot."""
+        return slot // cls.slots_per_file, (slot % cls.slots_per_file) * cls.slot_size
+
+    def _open(self, cls: SlotClass, file_no: int) -> tuple[int, int]:
+        """(buffered fd, O_DIRECT fd or -1), created and preallocated on first use."""
+        key = (cls.slot_size, file_no)
+        fds = self._fds.get(key)
+        if fds is not None:
+            return fds
+        with self._lock:
+            fds = self._fds.get(key)
+            if fds is not None:
+                return fds
+            path = self.file_path(cls, file_no)
+            try:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except OSError as e:
+                raise PageIOError(e.errno, f"cannot open page file {path}: {e.strerror}") from e
+            try:
+                if os.fstat(fd).st_size < cls.file_bytes:
+                    os.posix_fallocate(fd, 0, cls.file_bytes)
+            except OSError as e:
+                os.close(fd)
+                raise PageIOError(e.errno, f"cannot preallocate {path}: {e.strerror}") from e
+            dfd = -1
+            if self.o_direct:
+                try:
+                    dfd = os.open(path, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC)
+                except OSError as e:
+                    if e.errno != errno.EINVAL:
+                        raise PageIOError(e.errno, f"cannot open {path}: {e.strerror}") from e
+            self._fds[key] = (fd, dfd)
+            return fd, dfd
+
+    def write_slot(
+        self, cls: SlotClass, slot: int, header: bytes, data: Sequence[memoryview], aligned: bool
+    ) -> None:
+        """Write header + page bytes into a slot with one pwritev."""
+        file_no, off = self.locate(cls, slot)
+        fd, dfd = self._open(cls, file_no)
+        hdr = self._hdr.view
+        hdr[: len(header)] = header
+        length = HEADER_BYTES + sum(len(r) for r in data)
+        use_fd = dfd if aligned and dfd >= 0 else fd
+        try:
+            n = _pwritev_all(use_fd, [hdr, *data], off, length)
+            if self.fsync:
+                os.fdatasync(use_fd)
+        except OSError as e:
+            raise PageIOError(e.errno, f"write of slot {slot} in {self.file_path(cls, file_no)} failed: {e.strerror}") from e
+        if n != length:
+            raise PageIOError(errno.EIO, f"short write of slot {slot}")
+
+    def read_slot(self, cls: SlotClass, slot: int, data: Sequence[memoryview], aligned: bool) -> bytes:
+        """Read a slot's page bytes into ``data`` with one preadv; return its header."""
+        file_no, off = self.locate(cls, slot)
+        fd, dfd = self._open(cls, file_no)
+        hdr = self._hdr.view
+        length = HEADER_BYTES + sum(len(r) for r in data)
+        use_fd = dfd if aligned and dfd >= 0 else fd
+        try:
+            n = os.preadv(use_fd, [hdr, *data], off)
+        except OSError as e:
+            raise PageIOError(e.errno, f"read of slot {slot} in {self.file_path(cls, file_no)} failed: {e.strerror}") from e
+        if n != length:
+            raise PageIOError(errno.EIO, f"short read of slot {slot} ({n} of {length} bytes)")
+        return bytes(hdr[: _HEADER.size])
+
+    def files(self) -> list[str]:
+        """Every page file on disk, for checks and tests."""
+        out = []
+        for d in self.paths:
+            for root, _, names in os.walk(d):
+                out.extend(os.path.join(root, n) for n in names if n.endswith(".slots"))
+        return sorted(out)
+
+    def close(self) -> None:
+        with self._lock:
+            for fd, dfd in self._fds.values():
+                for f in (fd, dfd):
+                    if f >= 0:
+                        os.close(f)
+            self._fds.clear()
+
+
+def _pwritev_all(fd: int, bufs: list[memoryview], off: int, length: int) -> int:
+    """pwritev, finishing a partial write (signal, near-full disk) once with pwrite."""
+    n = os.pwritev(fd, bufs, off)
+    if n == length or n <= 0:
+        return n
+    rest = b"".join(bytes(b) for b in bufs)[n:]
+    return n + os.pwrite(fd, rest, off + n)
+
+
+def parse_header(header: bytes) -> Optional[tuple[bytes, int, int, int]]:
+    magic, digest, gen, length, cks = _HEADER.unpack(header[: _HEADER.size])
+    return None if magic != _MAGIC else (digest, gen, length, cks)

@@ -1,0 +1,107 @@
+"""Shared fixtures: a real redis-server per test session (and private ones on demand)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import pytest
+
+REDIS_SERVER = shutil.which("redis-server")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RedisProc:
+    """A private redis-server on a loopback port, which tests may kill and restart."""
+
+    def __init__(self, workdir: Path, appendonly: bool = False) -> None:
+        if REDIS_SERVER is None:
+            pytest.fail("redis-server not installed (apt-get install redis-server); .ci/setup.sh installs it")
+        self.dir = workdir
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.appendonly = appendonly
+        self.proc: Optional[subprocess.Popen[bytes]] = None
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        cmd = [
+            str(REDIS_SERVER), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
+            "--save", "", "--appendonly", "yes" if self.appendonly else "no", "--protected-mode", "no",
+        ]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    def stop(self) -> None:
+        self.kill()
+
+
+@pytest.fixture(scope="session")
+def redis_proc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProc]:
+    r = RedisProc(tmp_path_factory.mktemp("redis"))
+    yield r
+    r.stop()
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[RedisProc]:
+    """A redis-server of this test's own, for outages."""
+    r = RedisProc(tmp_path / "redis-private")
+    yield r
+    r.stop()
+
+
+@pytest.fixture
+def extra(tmp_path: Path, redis_proc: RedisProc) -> dict[str, Any]:
+    """An extra_config for a fresh store: its own Redis prefix and directory."""
+    return {
+        "backend_name": "tierstore",
+        "module_path": "sglang_tierstore",
+        "class_name": "TierStoreBackend",
+        "interface_v1": 1,
+        "redis_url": redis_proc.url,
+        "redis_prefix": "t-" + uuid.uuid4().hex[:12],
+        "path": str(tmp_path / "store"),
+        "capacity_gb": 0.25,
+        "file_size_mb": 4,
+        "io_threads": 4,
+    }
+
+
+def page_files_bytes(path: str) -> int:
+    total = 0
+    for root, _, names in os.walk(path):
+        for n in names:
+            if n.endswith(".slots"):
+                total += os.stat(os.path.join(root, n)).st_blocks * 512
+    return total

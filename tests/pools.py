@@ -1,0 +1,63 @@
+"""Real SGLang host pools on CPU (pin_memory=False) and storage configs for tests."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+MHA_LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]
+MLA_LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
+
+
+def mha_pool(layout: str, page_size: int = 4, layers: int = 3, heads: int = 2, head_dim: int = 8,
+             dtype: torch.dtype = torch.bfloat16, tokens: int = 256) -> MHATokenToKVPoolHost:
+    kv = MHATokenToKVPool(tokens, page_size, dtype, heads, head_dim, layers, "cpu", False, start_layer=0, end_layer=layers)
+    return MHATokenToKVPoolHost(
+        kv.get_device_pool_infos()[0].buffer_info, 2.0, 0, page_size, layout, pin_memory=False,
+        device_capacity_tokens=kv.size, start_layer=0, end_layer=layers,
+    )
+
+
+def mla_pool(layout: str, page_size: int = 4, layers: int = 3, kv_lora_rank: int = 16, rope_dim: int = 8,
+             dtype: torch.dtype = torch.bfloat16, tokens: int = 256) -> MLATokenToKVPoolHost:
+    kv = MLATokenToKVPool(tokens, page_size, dtype, kv_lora_rank, rope_dim, layers, "cpu", False, start_layer=0, end_layer=layers)
+    return MLATokenToKVPoolHost(
+        kv.get_device_pool_infos()[0].buffer_info, 2.0, 0, page_size, layout, pin_memory=False,
+        device_capacity_tokens=kv.size, start_layer=0, end_layer=layers, target_layer_num=layers,
+    )
+
+
+def fill(pool: Any, seed: int) -> None:
+    """Random bytes in the whole host buffer (deterministic per seed)."""
+    g = torch.Generator().manual_seed(seed)
+    raw = pool.kv_buffer.view(-1).view(torch.uint8)
+    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
+
+
+def storage_config(extra: dict[str, Any], mla: bool = False, tp_rank: int = 0, tp_size: int = 1,
+                   model: Optional[str] = "test/model") -> HiCacheStorageConfig:
+    return HiCacheStorageConfig(
+        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=mla, enable_storage_metrics=False, is_page_first_layout=True,
+        model_name=model, extra_config=dict(extra),
+    )
+
+
+def page_indices(pages: list[int], page_size: int) -> torch.Tensor:
+    """Host token indices covering the given host pages, as SGLang passes them."""
+    return torch.tensor([p * page_size + t for p in pages for t in range(page_size)], dtype=torch.int64)
+
+
+def page_bytes(pool: Any, page: int) -> bytes:
+    return pool.get_data_page(page * pool.page_size, flat=True).contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def keys(n: int, tag: str = "k") -> list[str]:
+    import hashlib
+
+    return [hashlib.sha256(f"{tag}{i}".encode()).hexdigest() for i in range(n)]
