@@ -81,6 +81,12 @@ def _no_pool_results(transfers: List[PoolTransfer], *_: Any, **__: Any) -> dict[
     return {str(t.name): [False] * len(t.keys or []) for t in transfers}
 
 
+def _geometry(pool: Any) -> tuple[tuple[str, object], ...]:
+    """Shape attributes of a pool whose pages can only be copied flat."""
+    names = ("layer_num", "head_num", "head_dim", "v_head_dim", "kv_lora_rank", "qk_rope_head_dim", "kv_cache_dim")
+    return tuple((n, getattr(pool, n)) for n in names if hasattr(pool, n))
+
+
 def _leading(flags: List[bool]) -> int:
     return next((i for i, f in enumerate(flags) if not f), len(flags))
 
@@ -140,6 +146,8 @@ class TierStoreBackend(HiCacheStorage):
             "dtype": str(pool.dtype),
             "layout": getattr(pool, "layout", ""),
             "page_size": pool.page_size,
+            # Geometry: the page view's shape (layers, heads, dims...) and its byte regions.
+            "shape": plan.page_shape if plan is not None else _geometry(pool),
             "regions": plan.region_sizes if plan is not None else "flat",
             "pp": f"{c.pp_rank}/{c.pp_size}",
             "cp": f"{c.attn_cp_rank}/{c.attn_cp_size}",

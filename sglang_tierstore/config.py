@@ -8,6 +8,7 @@ from the same dict are accepted and left alone.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping, NamedTuple, Optional
@@ -196,7 +197,7 @@ def markdown_table() -> str:
     """README's table of settings, generated from SETTINGS."""
     rows = ["| key | default | meaning |", "|---|---|---|"]
     for name, s in SETTINGS.items():
-        default = "(required)" if name == "path" else "unset" if s.default is None else f"`{s.default!r}`"
+        default = "(required)" if name == "path" else "unset" if s.default is None else f"`{json.dumps(s.default)}`"
         rows.append(f"| `{name}` | {default} | {s.doc} |")
     return "\n".join(rows)
 

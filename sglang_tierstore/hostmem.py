@@ -54,10 +54,11 @@ class PagePlan:
     even stride, which holds for every SGLang host layout.
     """
 
-    __slots__ = ("page_size", "page_bytes", "num_pages", "aligned", "_mem", "_stride", "_regions")
+    __slots__ = ("page_size", "page_bytes", "page_shape", "num_pages", "aligned", "_mem", "_stride", "_regions")
 
     def __init__(self, page_view: Callable[[int], torch.Tensor], page_size: int, num_pages: int) -> None:
         first = page_view(0)
+        self.page_shape = tuple(first.shape)
         base, self._mem = _storage_bytes(first)
         self.page_size = page_size
         self.num_pages = num_pages

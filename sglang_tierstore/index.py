@@ -81,7 +81,7 @@ class RedisIndex:
     # KEYS[5] - allocated bytes   KEYS[6] - generation counter   KEYS[7..] - entry keys
     # ARGV[1] - lease deadline   ARGV[2] - capacity bytes   ARGV[3] - slot size
     # ARGV[4] - slots per file   ARGV[5] - generation seed
-    # returns {first generation, r_1..r_n}: r_i = slot id, -1 exists, -2 full;
+    # returns {first generation, pages evicted, r_1..r_n}: r_i = slot id, -1 exists, -2 full;
     #         {-3} if the class was created with another slots-per-file
     RESERVE = _EVICT_ONE + """
 local spf = redis.call('HGET', KEYS[1], 'spf')
@@ -92,7 +92,7 @@ local file_bytes = spf * tonumber(ARGV[3])
 local nxt = tonumber(redis.call('HGET', KEYS[1], 'next') or '0')
 local files = tonumber(redis.call('HGET', KEYS[1], 'files') or '0')
 local cap = tonumber(ARGV[2])
-local out = {0}
+local out = {0, 0}
 local n = 0
 for i = 7, #KEYS do
   local r = -2
@@ -108,6 +108,7 @@ for i = 7, #KEYS do
         files = files + 1; s = nxt; nxt = nxt + 1
       else
         s = evict_one(KEYS[4])
+        if s then out[2] = out[2] + 1 end
       end
     end
     if s then
@@ -275,15 +276,15 @@ return {#expired, evicted, #released}
             return []
         return self._call(lambda: self._r.mget(entry_keys))
 
-    def reserve(self, cls: SlotClass, entry_keys: Sequence[str], lease_s: float, capacity: int) -> tuple[int, list[int]]:
-        """Reserve a slot per key: (first generation, [slot | EXISTS | FULL])."""
+    def reserve(self, cls: SlotClass, entry_keys: Sequence[str], lease_s: float, capacity: int) -> tuple[int, int, list[int]]:
+        """Reserve a slot per key: (first generation, pages evicted, [slot | EXISTS | FULL])."""
         now = self._clock()
         keys = [*self._class_keys(cls)[:5], f"{self.prefix}:gen", *entry_keys]
         args = [repr(now + lease_s), capacity, cls.slot_size, cls.slots_per_file, int(now * 1e6)]
         out = self._call(lambda: self._reserve(keys=keys, args=args))
         if out[0] == _GEOMETRY_MISMATCH:
             raise TierStoreError(f"slot class {cls.name} exists with another slots_per_file")
-        return int(out[0]), [int(x) for x in out[1:]]
+        return int(out[0]), int(out[1]), [int(x) for x in out[2:]]
 
     def finish(self, cls: SlotClass, ops: Sequence[tuple[str, str, int, bytes]]) -> list[bool]:
         """Commit, free or quarantine reserved slots: ops are (entry key, 'c'|'f'|'q', slot, value)."""

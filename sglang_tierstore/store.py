@@ -173,12 +173,13 @@ class TierStore:
         ekeys = [self.index.entry_key(ns.ns, k) for k in keys]
         cls = ns.cls
         try:
-            gen0, slots = self.index.reserve(cls, ekeys, self.cfg.lease_s, self.cfg.capacity_bytes)
+            gen0, evicted, slots = self.index.reserve(cls, ekeys, self.cfg.lease_s, self.cfg.capacity_bytes)
         except TierStoreError as e:
             if "slots_per_file" not in str(e):
                 raise
             cls = self._slot_class(cls.slot_size, refresh=True)
-            gen0, slots = self.index.reserve(cls, ekeys, self.cfg.lease_s, self.cfg.capacity_bytes)
+            gen0, evicted, slots = self.index.reserve(cls, ekeys, self.cfg.lease_s, self.cfg.capacity_bytes)
+        self.metrics.housekeeping("evicted", evicted)
         results = [s == EXISTS for s in slots]
         jobs = []
         for i, s in enumerate(slots):

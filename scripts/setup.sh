@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Install everything tierstore's tests and demo need on a fresh Debian machine.
+# Idempotent: a second run installs nothing. Uses the current python3 (or $PYTHON).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+if ! command -v redis-server >/dev/null 2>&1; then
+  SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
+  $SUDO apt-get update -q >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q redis-server >/dev/null
+fi
+
+pip_install() { "$PY" -m pip install -q --disable-pip-version-check "$@" 2>&1 \
+  | grep -v -e "^WARNING: Location" -e "Running pip as the 'root'" -e "^sglang .* requires " -e "dependency resolver" || true; }
+pip_install torch==2.14.1 torchvision==0.29.1
+pip_install --no-deps sglang==0.5.23
+pip_install -r scripts/requirements-sglang.txt
+pip_install -e '.[test]'
+"$PY" -c "import sglang, torch, redis, xxhash, sglang_tierstore" || { echo "setup failed: imports do not work" >&2; exit 1; }

@@ -1,0 +1,117 @@
+"""Start, query and stop a real `sglang.launch_server` on CPU with the tiny model."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, Optional
+
+import requests
+
+SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shim")
+
+BASE_FLAGS = [
+    "--device", "cpu", "--dtype", "bfloat16", "--attention-backend", "torch_native",
+    "--sampling-backend", "pytorch", "--disable-cuda-graph", "--skip-server-warmup",
+    "--page-size", "16", "--max-total-tokens", "2048", "--max-running-requests", "4",
+    "--chunked-prefill-size", "512", "--context-length", "1024", "--enable-cache-report",
+]
+HICACHE_FLAGS = [
+    "--enable-hierarchical-cache", "--hicache-ratio", "2", "--hicache-io-backend", "direct",
+    "--hicache-mem-layout", "page_first_direct", "--hicache-storage-prefetch-policy", "wait_complete",
+    "--hicache-write-policy", "write_through_selective", "--hicache-storage-backend", "dynamic",
+]
+
+
+def tierstore_config(**overrides: Any) -> dict[str, Any]:
+    return {
+        "backend_name": "tierstore", "module_path": "sglang_tierstore", "class_name": "TierStoreBackend",
+        "interface_v1": 1, "prefetch_threshold": 16, **overrides,
+    }
+
+
+class Server:
+    """One server process; `storage` None runs it without hierarchical cache."""
+
+    def __init__(self, model: str, port: int, log_path: str, storage: Optional[dict[str, Any]] = None,
+                 env: Optional[dict[str, str]] = None) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", "127.0.0.1",
+               "--port", str(port), *BASE_FLAGS]
+        if storage is not None:
+            cmd += [*HICACHE_FLAGS, "--hicache-storage-backend-extra-config", json.dumps(storage)]
+        full_env = {
+            **os.environ, "SGLANG_USE_CPU_ENGINE": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONPATH": os.pathsep.join(p for p in (SHIM, os.environ.get("PYTHONPATH", "")) if p),
+            **(env or {}),
+        }
+        self.log_path = log_path
+        self._log = open(log_path, "ab")
+        self.proc = subprocess.Popen(cmd, env=full_env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, timeout: float = 400) -> "Server":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log_path}")
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"server not healthy in {timeout}s; see {self.log_path}")
+
+    def generate(self, text: str, max_new_tokens: int = 8) -> tuple[str, dict[str, Any]]:
+        r = requests.post(self.url + "/generate", timeout=300, json={
+            "text": text, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0},
+        })
+        r.raise_for_status()
+        body = r.json()
+        return body["text"], body["meta_info"]
+
+    def flush(self, timeout: float = 60) -> None:
+        """Flush L1 and L2 (retried: SGLang refuses while write-through is in flight)."""
+        deadline = time.monotonic() + timeout
+        while "Cache flushed" not in requests.post(self.url + "/flush_cache", timeout=30).text:
+            if time.monotonic() > deadline:
+                raise TimeoutError("flush_cache kept failing")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+
+    def __enter__(self) -> "Server":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def conversation(turns: int = 3) -> list[str]:
+    """Prompts of a multi-turn chat: each turn repeats the whole history and adds to it."""
+    system = "<|system|>" + "You are a careful assistant that remembers long contexts. " * 6 + "<|end|>"
+    asks = [
+        "Explain how a radix tree finds the longest cached prefix of a prompt. ",
+        "Now explain why reading pages back from disk is cheaper than recomputing them. ",
+        "Finally, say what happens to a page whose checksum does not match. ",
+        "And what if the index is lost while the files remain? ",
+    ]
+    prompts, history = [], system
+    for i in range(turns):
+        history += "<|user|>" + asks[i % len(asks)] * 3 + "<|end|><|assistant|>"
+        prompts.append(history)
+        history += "Understood, here is the answer in detail. " * 2 + "<|end|>"
+    return prompts

@@ -1,0 +1,100 @@
+"""Never take SGLang down: Redis outages and disk trouble become misses, and heal."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from conftest import RedisProc
+from pools import fill, keys, mha_pool, page_bytes, page_indices, storage_config
+
+from sglang_tierstore import TierStoreBackend
+
+
+def test_redis_outage_gives_bounded_misses_then_recovers(extra: dict[str, Any], private_redis: RedisProc) -> None:
+    cfg = {**extra, "redis_url": private_redis.url, "redis_timeout_s": 0.3, "redis_retry_s": 0.5}
+    pool = mha_pool("page_first")
+    fill(pool, 1)
+    ks = keys(8)
+    with TierStoreBackend(storage_config(cfg), {}) as be:
+        be.register_mem_pool_host(pool)
+        assert be.batch_set_v1(ks[:4], page_indices(range(4), 4)) == [True] * 4
+        private_redis.kill()
+        t0 = time.monotonic()
+        assert be.batch_exists(ks) == 0
+        assert be.batch_get_v1(ks[:4], page_indices(range(10, 14), 4)) == [False] * 4
+        assert be.batch_set_v1(ks[4:], page_indices(range(4, 8), 4)) == [False] * 4
+        assert be.batch_get(ks[:1], [pool.get_dummy_flat_data_page()]) == [None]
+        assert be.batch_set(ks[:1], [pool.get_data_page(0)]) is False
+        assert be.exists(ks[0]) is False
+        assert be.batch_exists_v2(ks).kv_hit_pages == 0
+        be.clear()
+        assert time.monotonic() - t0 < 5.0
+        assert be.store.stats()["error_index_unavailable"] >= 1
+        # Redis comes back (empty: no persistence here) on the same address
+        private_redis.start()
+        deadline = time.monotonic() + 10
+        while be.batch_set_v1(ks[4:], page_indices(range(4, 8), 4)) != [True] * 4:
+            assert time.monotonic() < deadline, "backend did not recover after Redis returned"
+            time.sleep(0.1)
+        assert be.batch_exists(ks[4:]) == 4
+        assert be.batch_get_v1(ks[4:], page_indices(range(20, 24), 4)) == [True] * 4
+        assert page_bytes(pool, 23) == page_bytes(pool, 7)
+        assert be.check() == []
+
+
+def test_unreadable_page_file_is_a_miss(extra: dict[str, Any]) -> None:
+    pool = mha_pool("page_first")
+    fill(pool, 2)
+    ks = keys(2)
+    with TierStoreBackend(storage_config(extra), {}) as be:
+        be.register_mem_pool_host(pool)
+        assert be.batch_set_v1(ks, page_indices([0, 1], 4)) == [True, True]
+    # the page file is replaced by something that cannot be opened as a file
+    (path,) = [os.path.join(r, n) for r, _, ns in os.walk(extra["path"]) for n in ns if n.endswith(".slots")]
+    os.remove(path)
+    os.mkdir(path)
+    with TierStoreBackend(storage_config(extra), {}) as be:
+        be.register_mem_pool_host(pool)
+        assert be.batch_get_v1(ks, page_indices([5, 6], 4)) == [False, False]
+        assert be.store.stats()["error_io_read"] >= 1
+        assert be.batch_exists(ks) == 0  # dropped
+
+
+def test_embedded_redis_is_started_shared_and_restarted(tmp_path: Any) -> None:
+    from sglang_tierstore.embedded import pid_file
+
+    cfg = {"path": str(tmp_path / "store"), "capacity_gb": 0.1, "file_size_mb": 4, "interface_v1": 1}
+    pool = mha_pool("page_first")
+    fill(pool, 3)
+    ks = keys(3)
+    try:
+        with TierStoreBackend(storage_config(cfg), {}) as a, TierStoreBackend(storage_config(cfg), {}) as b:
+            a.register_mem_pool_host(pool)
+            b.register_mem_pool_host(pool)
+            assert a.batch_set_v1(ks, page_indices([0, 1, 2], 4)) == [True] * 3
+            assert b.batch_get_v1(ks, page_indices([10, 11, 12], 4)) == [True] * 3
+            assert os.path.exists(tmp_path / "store" / "redis" / "appendonlydir")
+            # the embedded Redis dies; housekeeping starts it again, and AOF brings the index back
+            pid = int(open(pid_file(cfg["path"])).read())
+            os.kill(pid, 9)
+            deadline = time.monotonic() + 20
+            while a.batch_exists(ks) != 3:
+                assert time.monotonic() < deadline, "embedded Redis was not restarted"
+                time.sleep(0.2)
+            assert a.batch_get_v1(ks, page_indices([20, 21, 22], 4)) == [True] * 3
+            assert page_bytes(pool, 22) == page_bytes(pool, 2)
+    finally:
+        pid = int(open(pid_file(cfg["path"])).read())
+        os.kill(pid, 9)
+
+
+def test_missing_redis_server_binary_says_how_to_fix(tmp_path: Any) -> None:
+    import pytest
+
+    from sglang_tierstore import EmbeddedRedisError
+
+    cfg = {"path": str(tmp_path / "s"), "redis_server": "/nonexistent/redis-server"}
+    with pytest.raises(EmbeddedRedisError, match="apt-get install redis-server.*redis_url"):
+        TierStoreBackend(storage_config(cfg), {})
