@@ -98,3 +98,63 @@ def test_missing_redis_server_binary_says_how_to_fix(tmp_path: Any) -> None:
     cfg = {"path": str(tmp_path / "s"), "redis_server": "/nonexistent/redis-server"}
     with pytest.raises(EmbeddedRedisError, match="apt-get install redis-server.*redis_url"):
         TierStoreBackend(storage_config(cfg), {})
+
+
+def test_stalled_redis_costs_bounded_time_then_recovers(extra: dict[str, Any], private_redis: RedisProc) -> None:
+    import signal
+
+    cfg = {**extra, "redis_url": private_redis.url, "redis_timeout_s": 0.3, "redis_retry_s": 0.5}
+    pool = mha_pool("page_first")
+    fill(pool, 4)
+    ks = keys(4)
+    with TierStoreBackend(storage_config(cfg), {}) as be:
+        be.register_mem_pool_host(pool)
+        assert be.batch_set_v1(ks, page_indices(range(4), 4)) == [True] * 4
+        assert private_redis.proc is not None
+        os.kill(private_redis.proc.pid, signal.SIGSTOP)  # accepts connections, answers nothing
+        try:
+            t0 = time.monotonic()
+            assert be.batch_exists(ks) == 0
+            assert time.monotonic() - t0 < 2.0
+            t0 = time.monotonic()
+            assert be.batch_get_v1(ks, page_indices(range(10, 14), 4)) == [False] * 4  # breaker open: at once
+            assert time.monotonic() - t0 < 0.2
+        finally:
+            os.kill(private_redis.proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while be.batch_exists(ks) != 4:
+            assert time.monotonic() < deadline, "backend did not recover after Redis resumed"
+            time.sleep(0.1)
+        assert be.batch_get_v1(ks, page_indices(range(10, 14), 4)) == [True] * 4
+
+
+def test_disk_full_fails_writes_keeps_reads_and_recovers(extra: dict[str, Any]) -> None:
+    """File growth refused (RLIMIT_FSIZE stands in for a full disk): writes fail, reads go on."""
+    import resource
+    import signal
+
+    cfg = {**extra, "capacity_gb": 8 / 1024, "file_size_mb": 1, "lease_s": 0.3}
+    pool = mha_pool("page_first", page_size=16, layers=4, heads=4, head_dim=64)  # 64 KiB pages
+    fill(pool, 5)
+    ks = keys(40)
+    with TierStoreBackend(storage_config(cfg), {}) as be:
+        be.register_mem_pool_host(pool)
+        spf = be._pool("kv").ns.cls.slots_per_file
+        assert be.batch_set_v1(ks[:spf], page_indices(range(spf), 16)) == [True] * spf  # file 0 full
+        old = resource.getrlimit(resource.RLIMIT_FSIZE)
+        handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, old[1]))
+        try:
+            assert be.batch_set_v1(ks[spf : spf + 4], page_indices(range(4), 16)) == [False] * 4
+            assert be.batch_get_v1(ks[:4], page_indices(range(20, 24), 16)) == [True] * 4
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, old)
+            signal.signal(signal.SIGXFSZ, handler)
+        assert be.store.stats()["error_io_write"] == 4
+        assert page_bytes(pool, 23) == page_bytes(pool, 3)
+        # space is back: quarantined slots are released after lease_s and writes succeed again
+        deadline = time.monotonic() + 10
+        while be.batch_set_v1(ks[spf : spf + 4], page_indices(range(4), 16)) != [True] * 4:
+            assert time.monotonic() < deadline, "writes did not recover"
+            time.sleep(0.2)
+        assert be.check() == []
