@@ -71,3 +71,11 @@ def test_adapter_rejects_a_bad_config_naming_the_key() -> None:
 
     with pytest.raises(ConfigError, match="'lease_s'"):
         TierStoreBackend(storage_config({"path": "/tmp/x", "redis_url": "redis://127.0.0.1:1/0", "lease_s": 0}), {})
+
+
+def test_deploy_example_config_is_valid() -> None:
+    import json
+
+    with open(os.path.join(ROOT, "deploy", "tierstore.json")) as f:
+        cfg = TierStoreConfig.from_dict(json.load(f))
+    assert cfg.redis_url and len(cfg.path) == 2
