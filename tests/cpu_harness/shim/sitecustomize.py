@@ -24,92 +24,13 @@ import sys
 import types
 from typing import Any, Callable, Optional, Sequence
 
-import torch
-
-# -- 1. a stand-in sgl_kernel ------------------------------------------------------
-
-
-def assign_req_to_token_pool_cpu(
-    req_pool_indices: torch.Tensor, req_to_token: torch.Tensor, start_offset: torch.Tensor,
-    end_offset: torch.Tensor, out_cache_loc: torch.Tensor, pool_len: int,
-) -> None:
-    pos = 0
-    for r, s, e in zip(req_pool_indices.tolist(), start_offset.tolist(), end_offset.tolist()):
-        req_to_token[r, s:e] = out_cache_loc[pos : pos + e - s].to(req_to_token.dtype)
-        pos += e - s
-
-
-class _StubModule(types.ModuleType):
-    """Has every ``*_cpu`` op; other names and submodules stay missing, so SGLang's
-    own ImportError fallbacks (e.g. quantization scalar types) still apply."""
-
-    def __getattr__(self, name: str) -> Any:
-        if not name.endswith("_cpu"):
-            raise AttributeError(name)
-
-        def unavailable(*_: Any, **__: Any) -> Any:
-            raise NotImplementedError(f"sgl_kernel.{name} is CUDA-only (CPU test shim)")
-
-        return unavailable
-
-
-# -- 3. torch versions of the direct transfer ops ----------------------------------
-
-
-def transfer_kv_direct(src_layers: Sequence[torch.Tensor], dst_layers: Sequence[torch.Tensor],
-                       src_indices: torch.Tensor, dst_indices: torch.Tensor, page_size: int) -> None:
-    for src, dst in zip(src_layers, dst_layers):
-        dst[dst_indices.to(dst.device)] = src[src_indices.to(src.device)].to(dst.device)
-
-
-def transfer_kv_per_layer_direct_pf_lf(src_ptrs: Sequence[torch.Tensor], dst_ptrs: Sequence[torch.Tensor],
-                                       src_indices: torch.Tensor, dst_indices: torch.Tensor,
-                                       layer_id: int, page_size: int) -> None:
-    """Host page_first_direct [page, layer, token, ...] -> device layer [token, ...]."""
-    pages, offs = src_indices // page_size, src_indices % page_size
-    for src, dst in zip(src_ptrs, dst_ptrs):
-        dst[dst_indices] = src[pages, layer_id, offs].to(dst.device)
-
-
-def transfer_kv_all_layer_direct_lf_pf(src_ptrs: Sequence[torch.Tensor], dst_ptrs: Sequence[torch.Tensor],
-                                       src_indices: torch.Tensor, dst_indices: torch.Tensor, page_size: int) -> None:
-    """Device layers (all K, then all V) -> host page_first_direct [page, layer, token, ...]."""
-    layers = len(src_ptrs) // 2
-    pages, offs = dst_indices // page_size, dst_indices % page_size
-    for half, dst in enumerate(dst_ptrs):
-        for layer in range(layers):
-            dst[pages, layer, offs] = src_ptrs[half * layers + layer][src_indices].to(dst.device)
-
-
-def _patch_mha(mod: types.ModuleType) -> None:
-    mod.transfer_kv_direct = transfer_kv_direct  # type: ignore[attr-defined]
-    mod.transfer_kv_per_layer_direct_pf_lf = transfer_kv_per_layer_direct_pf_lf  # type: ignore[attr-defined]
-    mod.transfer_kv_all_layer_direct_lf_pf = transfer_kv_all_layer_direct_lf_pf  # type: ignore[attr-defined]
-
-
-# -- 2. unpinned host pools ------------------------------------------------------------
-
-
-def _patch_assembler(mod: types.ModuleType) -> None:
-    original = mod.get_mha_host_pool_cls
-
-    def get_mha_host_pool_cls(*args: Any, **kwargs: Any) -> Callable[..., Any]:
-        cls = original(*args, **kwargs)
-
-        def unpinned(*a: Any, **kw: Any) -> Any:
-            kw["pin_memory"] = False
-            return cls(*a, **kw)
-
-        return unpinned
-
-    mod.get_mha_host_pool_cls = get_mha_host_pool_cls
-
+from cpu_ops import StubModule, assign_req_to_token_pool_cpu, patch_assembler, patch_mha
 
 # -- the import hook -----------------------------------------------------------------
 
 _PATCHES: dict[str, Callable[[types.ModuleType], None]] = {
-    "sglang.srt.mem_cache.pool_host.mha": _patch_mha,
-    "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler": _patch_assembler,
+    "sglang.srt.mem_cache.pool_host.mha": patch_mha,
+    "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler": patch_assembler,
 }
 
 
@@ -135,7 +56,7 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return None
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        mod = _StubModule(spec.name)
+        mod = StubModule(spec.name)
         mod.assign_req_to_token_pool_cpu = assign_req_to_token_pool_cpu  # type: ignore[attr-defined]
         return mod
 
