@@ -26,7 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 from cpu_harness import tiny_model  # noqa: E402
-from cpu_harness.server import Server, conversation, tierstore_config  # noqa: E402
+from cpu_harness.server import Server, conversation, cpu_args, tierstore_config  # noqa: E402
 
 from sglang_tierstore.embedded import pid_file  # noqa: E402
 
@@ -69,11 +69,11 @@ def main() -> int:
     cfg = tierstore_config(path=store, capacity_gb=1, file_size_mb=16)
 
     print("1. reference: SGLang without hierarchical cache")
-    with Server(model, free_port(), log) as s:
+    with Server(model, free_port(), log, cpu_args()) as s:
         reference = run_turns(s.wait_ready(), prompts, "no HiCache")
 
     print("2. tierstore L3 (embedded Redis): chat twice, flush L1+L2, chat again")
-    with Server(model, free_port(), log, storage=cfg) as s:
+    with Server(model, free_port(), log, cpu_args(cfg)) as s:
         s.wait_ready()
         first = run_turns(s, prompts, "cold")
         second = run_turns(s, prompts, "device hits")
@@ -82,7 +82,7 @@ def main() -> int:
         third = run_turns(s, prompts, "after flush")
 
     print("3. restart: a new server on the same store")
-    with Server(model, free_port(), log, storage=cfg) as s:
+    with Server(model, free_port(), log, cpu_args(cfg)) as s:
         s.wait_ready()
         hits_after_restart = storage_hits(s, prompts[-1])
         print(f"  first request after restart: {hits_after_restart} tokens from storage")

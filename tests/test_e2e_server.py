@@ -17,7 +17,7 @@ import pytest
 import redis
 from conftest import RedisProc, free_port
 from cpu_harness import tiny_model
-from cpu_harness.server import Server, conversation, tierstore_config
+from cpu_harness.server import Server, conversation, cpu_args, tierstore_config
 
 PROMPTS = conversation(3)
 
@@ -41,7 +41,7 @@ def logdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def reference(model: str, logdir: Path) -> list[str]:
     """Greedy outputs of a server without hierarchical cache."""
-    with Server(model, free_port(), str(logdir / "reference.log")) as s:
+    with Server(model, free_port(), str(logdir / "reference.log"), cpu_args()) as s:
         s.wait_ready()
         return [s.generate(p)[0] for p in PROMPTS]
 
@@ -81,7 +81,7 @@ def wait_for_backup(cfg: dict[str, Any], timeout: float = 30) -> int:
 def test_multi_turn_chat_hits_storage_after_flush_and_a_second_server_shares_it(
     model: str, logdir: Path, reference: list[str], store_cfg: dict[str, Any]
 ) -> None:
-    with Server(model, free_port(), str(logdir / "a.log"), storage=store_cfg) as a:
+    with Server(model, free_port(), str(logdir / "a.log"), cpu_args(store_cfg)) as a:
         a.wait_ready()
         first, _ = chat(a)
         second, tiers = chat(a)  # second hit: write_through_selective backs these up
@@ -93,7 +93,7 @@ def test_multi_turn_chat_hits_storage_after_flush_and_a_second_server_shares_it(
         assert sum(t.get("storage", 0) for t in tiers) >= tiers[0]["storage"]
         assert first == second == third == reference
         # server B, running beside A on the same Redis and path, starts with nothing cached
-        with Server(model, free_port(), str(logdir / "b.log"), storage=store_cfg) as b:
+        with Server(model, free_port(), str(logdir / "b.log"), cpu_args(store_cfg)) as b:
             b.wait_ready()
             text, meta = b.generate(PROMPTS[-1])
             assert meta["cached_tokens_details"].get("storage", 0) > 0, meta
@@ -104,7 +104,7 @@ def test_multi_turn_chat_hits_storage_after_flush_and_a_second_server_shares_it(
 def test_warm_restart_serves_the_first_request_from_storage(
     model: str, logdir: Path, reference: list[str], store_cfg: dict[str, Any]
 ) -> None:
-    with Server(model, free_port(), str(logdir / "restart.log"), storage=store_cfg) as s:
+    with Server(model, free_port(), str(logdir / "restart.log"), cpu_args(store_cfg)) as s:
         s.wait_ready()
         text, meta = s.generate(PROMPTS[-1])
         assert meta["cached_tokens_details"].get("storage", 0) > 0, meta
@@ -119,7 +119,7 @@ def test_fault_injection_and_redis_outage_keep_outputs_identical(
                            redis_timeout_s=0.3, redis_retry_s=0.5)
     env = {"SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE": "0.2"}
     try:
-        with Server(model, free_port(), str(logdir / "faults.log"), storage=cfg, env=env) as s:
+        with Server(model, free_port(), str(logdir / "faults.log"), cpu_args(cfg), env=env) as s:
             s.wait_ready()
             for _ in range(2):
                 assert chat(s)[0] == reference

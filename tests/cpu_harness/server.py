@@ -1,4 +1,4 @@
-"""Start, query and stop a real `sglang.launch_server` on CPU with the tiny model."""
+"""Start, query and stop a real `sglang.launch_server` (on CPU with the shim, or on a GPU)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import requests
 
@@ -23,8 +23,19 @@ BASE_FLAGS = [
 HICACHE_FLAGS = [
     "--enable-hierarchical-cache", "--hicache-ratio", "2", "--hicache-io-backend", "direct",
     "--hicache-mem-layout", "page_first_direct", "--hicache-storage-prefetch-policy", "wait_complete",
-    "--hicache-write-policy", "write_through_selective", "--hicache-storage-backend", "dynamic",
+    "--hicache-write-policy", "write_through_selective",
 ]
+
+
+def cpu_args(storage: Optional[dict[str, Any]] = None, hicache: Optional[bool] = None) -> list[str]:
+    """Flags for the tiny model on CPU: HiCache if ``hicache`` (default: if ``storage``),
+    with tierstore as L3 configured by ``storage``."""
+    args = [*BASE_FLAGS, *(HICACHE_FLAGS if (storage is not None if hicache is None else hicache) else [])]
+    return args + storage_args(storage) if storage is not None else args
+
+
+def storage_args(storage: dict[str, Any]) -> list[str]:
+    return ["--hicache-storage-backend", "dynamic", "--hicache-storage-backend-extra-config", json.dumps(storage)]
 
 
 def tierstore_config(**overrides: Any) -> dict[str, Any]:
@@ -34,22 +45,22 @@ def tierstore_config(**overrides: Any) -> dict[str, Any]:
     }
 
 
-class Server:
-    """One server process; `storage` None runs it without hierarchical cache."""
+CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
-    def __init__(self, model: str, port: int, log_path: str, storage: Optional[dict[str, Any]] = None,
-                 env: Optional[dict[str, str]] = None) -> None:
+
+class Server:
+    """One server process. ``cpu`` (default) runs it under the CPU shim; ``args`` are its flags."""
+
+    def __init__(self, model: str, port: int, log_path: str, args: Sequence[str],
+                 env: Optional[dict[str, str]] = None, cpu: bool = True) -> None:
         self.url = f"http://127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", "127.0.0.1",
-               "--port", str(port), *BASE_FLAGS]
-        if storage is not None:
-            cmd += [*HICACHE_FLAGS, "--hicache-storage-backend-extra-config", json.dumps(storage)]
-        full_env = {
-            **os.environ, "SGLANG_USE_CPU_ENGINE": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-            "PYTHONPATH": os.pathsep.join(p for p in (SHIM, os.environ.get("PYTHONPATH", "")) if p),
-            **(env or {}),
-        }
+               "--port", str(port), *args]
+        full_env = dict(os.environ)
+        if cpu:
+            full_env.update(CPU_ENV)
+            full_env["PYTHONPATH"] = os.pathsep.join(p for p in (SHIM, os.environ.get("PYTHONPATH", "")) if p)
+        full_env.update(env or {})
         self.log_path = log_path
         self._log = open(log_path, "ab")
         self.proc = subprocess.Popen(cmd, env=full_env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -67,13 +78,26 @@ class Server:
             time.sleep(1)
         raise TimeoutError(f"server not healthy in {timeout}s; see {self.log_path}")
 
-    def generate(self, text: str, max_new_tokens: int = 8) -> tuple[str, dict[str, Any]]:
+    def generate(self, prompt: str | list[int], max_new_tokens: int = 8) -> tuple[str, dict[str, Any]]:
+        """Greedy output and meta_info; ``prompt`` is text or token ids."""
         r = requests.post(self.url + "/generate", timeout=300, json={
-            "text": text, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0},
+            **_prompt(prompt), "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0},
         })
         r.raise_for_status()
         body = r.json()
         return body["text"], body["meta_info"]
+
+    def ttft(self, prompt: str | list[int]) -> float:
+        """Seconds from sending a streamed request to its first output chunk."""
+        t0 = time.perf_counter()
+        with requests.post(self.url + "/generate", timeout=300, stream=True, json={
+            **_prompt(prompt), "stream": True, "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+        }) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if line.startswith(b"data:"):
+                    return time.perf_counter() - t0
+        raise RuntimeError("stream ended without output")
 
     def flush(self, timeout: float = 60) -> None:
         """Flush L1 and L2 (retried: SGLang refuses while write-through is in flight)."""
@@ -98,6 +122,10 @@ class Server:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _prompt(prompt: str | list[int]) -> dict[str, Any]:
+    return {"text": prompt} if isinstance(prompt, str) else {"input_ids": prompt}
 
 
 def conversation(turns: int = 3) -> list[str]:

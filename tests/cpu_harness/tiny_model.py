@@ -22,8 +22,11 @@ CHAT_TEMPLATE = (
 )
 
 
-def build(path: str, seed: int = 0) -> str:
-    """Write the model and tokenizer to ``path`` (once); return ``path``."""
+def build(path: str, seed: int = 0, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2) -> str:
+    """Write a random Llama and its tokenizer to ``path`` (once); return ``path``.
+
+    The defaults give the tiny CPU model; scripts/e2e_gpu.py asks for a larger one.
+    """
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     import torch
@@ -45,8 +48,8 @@ def build(path: str, seed: int = 0) -> str:
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        vocab_size=len(fast), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=16384,
         bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id,
         torch_dtype="bfloat16", tie_word_embeddings=False,
     )
