@@ -114,7 +114,7 @@ def test_warm_restart_serves_the_first_request_from_storage(
 def test_fault_injection_and_redis_outage_keep_outputs_identical(
     model: str, logdir: Path, reference: list[str], tmp_path: Path
 ) -> None:
-    redis_proc = RedisProc(tmp_path / "redis")
+    redis_proc = RedisProc(tmp_path / "redis", appendonly=True)  # a restarted Redis keeps the index, as deployed
     cfg = tierstore_config(redis_url=redis_proc.url, path=str(tmp_path / "store"), capacity_gb=0.5, file_size_mb=16,
                            redis_timeout_s=0.3, redis_retry_s=0.5)
     env = {"SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE": "0.2"}
@@ -129,7 +129,7 @@ def test_fault_injection_and_redis_outage_keep_outputs_identical(
             outs, tiers = chat(s)  # L3 unreachable: recomputed, same answers
             assert outs == reference
             assert all(t.get("storage", 0) == 0 for t in tiers)
-            redis_proc.start()  # empty: no persistence in this Redis
+            redis_proc.start()
             for _ in range(3):
                 assert chat(s)[0] == reference
             wait_for_backup(cfg)

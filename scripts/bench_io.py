@@ -1,0 +1,325 @@
+#!/usr/bin/env python3
+"""I/O benchmark: tierstore beside the disk's own limit and SGLang's HiCacheFile, in one run.
+
+    python3 scripts/bench_io.py --dir /var/tmp/tierstore-bench --out scripts/results/bench_io.json
+
+Everything runs on the same directory, one page size at a time, batches of 128 pages:
+  disk      O_DIRECT pwritev/preadv of the same pages from aligned buffers, with the
+            same number of threads as tierstore's io_threads (the limit to compare with)
+  hicache   SGLang's HiCacheFile called as SGLang calls it (legacy batch_set/batch_get of
+            flat page copies through a real host pool, then set_from_flat_data_page)
+  ts_v1     tierstore batch_set_v1/batch_get_v1 on a real MHA page_first_direct host pool
+  ts_mla    the same on an MLA page_first host pool (its page size is the nearest MLA one)
+  ts_v2     tierstore batch_set_v2/batch_get_v2 (the KV pool registered as a v2 pool)
+Reads are "cold" after POSIX_FADV_DONTNEED on every file written (the page cache dropped
+for them) and "warm" right after. Then the probe of 128 keys (all hit / first missing /
+last missing) against one redis-py MGET of the same keys, and per-page cost with 4 KiB
+pages, where I/O is negligible. Each figure is the median of --repeat runs (p90, p99 too);
+ratios compare medians of the same run. Starts its own redis-server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+
+import torch  # noqa: E402
+from pools import mha_pool, mla_pool, page_indices, storage_config  # noqa: E402
+from sglang.srt.mem_cache.hicache_storage import HiCacheFile, PoolName, PoolTransfer  # noqa: E402
+
+from sglang_tierstore import TierStoreBackend  # noqa: E402
+
+BATCH = 128
+# page bytes -> MHA geometry (tokens per page, layers, KV heads, head dim), bf16, K and V
+GEOMETRY = {
+    256 << 10: (16, 8, 8, 64),
+    1 << 20: (64, 8, 8, 64),
+    2 << 20: (64, 16, 8, 64),
+    8 << 20: (64, 32, 8, 128),  # 64 tokens of Llama-3-8B
+}
+MLA_LAYERS = {256 << 10: 4, 1 << 20: 14, 2 << 20: 28, 8 << 20: 112}  # 64 tokens x 1152 B per layer
+
+
+def stats(samples: list[float]) -> dict[str, float]:
+    s = sorted(samples)
+    pick = lambda q: s[min(len(s) - 1, int(q * len(s)))]  # noqa: E731
+    return {"median": statistics.median(s), "p90": pick(0.9), "p99": pick(0.99), "n": len(s)}
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def drop_cache(root: str) -> None:
+    """POSIX_FADV_DONTNEED on every file under root (needs no privileges)."""
+    for d, _, names in os.walk(root):
+        for n in names:
+            try:
+                fd = os.open(os.path.join(d, n), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def start_redis(workdir: str) -> tuple[subprocess.Popen[bytes], str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", workdir], stdout=subprocess.DEVNULL)
+    for _ in range(200):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    return proc, f"redis://127.0.0.1:{port}/0"
+
+
+# -- the disk's own limit ---------------------------------------------------------------
+
+
+def disk_limit(path: str, page: int, threads: int, repeat: int) -> dict[str, Any]:
+    """O_DIRECT pwritev/preadv of BATCH pages of `page` bytes with `threads` threads."""
+    f = os.path.join(path, "odirect.bin")
+    fd = os.open(f, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o644)
+    os.posix_fallocate(fd, 0, page * BATCH)
+    bufs = [mmap.mmap(-1, page) for _ in range(threads)]
+    for b in bufs:
+        b.write(os.urandom(page))
+    pool = ThreadPoolExecutor(threads)
+
+    def run(write: bool) -> None:
+        def chunk(t: int) -> None:
+            for i in range(t, BATCH, threads):
+                (os.pwritev if write else os.preadv)(fd, [bufs[t]], i * page)
+
+        list(pool.map(chunk, range(threads)))
+
+    w = [timed(lambda: run(True)) for _ in range(repeat)]
+    r = [timed(lambda: run(False)) for _ in range(repeat)]
+    pool.shutdown()
+    os.close(fd)
+    os.remove(f)
+    gb = page * BATCH / 1e9
+    return {"write_gbps": stats([gb / t for t in w]), "read_gbps": stats([gb / t for t in r])}
+
+
+# -- SGLang's HiCacheFile, as SGLang calls it -------------------------------------------
+
+
+def bench_hicache(path: str, pool: Any, repeat: int) -> dict[str, Any]:
+    d = os.path.join(path, "hicache")
+    hf = HiCacheFile(storage_config({}), file_path=d)
+    ps = pool.page_size
+    w, cold, warm = [], [], []
+    for rep in range(repeat):
+        keys = [f"{uuid.uuid4().hex}" for _ in range(BATCH)]
+
+        def set_() -> None:  # cache_controller._generic_page_set
+            data = [pool.get_data_page(i * ps) for i in range(BATCH)]
+            assert hf.batch_set(keys, data)
+
+        def get_() -> None:  # cache_controller._generic_page_get
+            dummy = [pool.get_dummy_flat_data_page() for _ in keys]
+            got = hf.batch_get(keys, dummy)
+            for i, page in enumerate(got):
+                assert page is not None
+                pool.set_from_flat_data_page((BATCH + i) * ps, page)
+
+        w.append(timed(set_))
+        drop_cache(d)
+        cold.append(timed(get_))
+        warm.append(timed(get_))
+    hf.clear()
+    shutil.rmtree(d, ignore_errors=True)
+    return rates(pool, w, cold, warm)
+
+
+def rates(pool: Any, w: list[float], cold: list[float], warm: list[float]) -> dict[str, Any]:
+    gb = page_bytes(pool) * BATCH / 1e9
+    return {
+        "write_gbps": stats([gb / t for t in w]),
+        "read_cold_gbps": stats([gb / t for t in cold]),
+        "read_warm_gbps": stats([gb / t for t in warm]),
+    }
+
+
+def page_bytes(pool: Any) -> int:
+    return int(pool.get_dummy_flat_data_page().numel() * pool.dtype.itemsize)
+
+
+# -- tierstore ---------------------------------------------------------------------------
+
+
+def backend(path: str, redis_url: str, threads: int, mla: bool = False, **extra: Any) -> TierStoreBackend:
+    cfg = {"redis_url": redis_url, "redis_prefix": "bench-" + uuid.uuid4().hex[:8], "path": path,
+           "capacity_gb": 64, "file_size_mb": 1024, "io_threads": threads, "interface_v1": 1, **extra}
+    return TierStoreBackend(storage_config(cfg, mla=mla), {})
+
+
+def bench_tierstore(path: str, redis_url: str, pool: Any, threads: int, repeat: int, v2: bool = False, mla: bool = False) -> dict[str, Any]:
+    d = os.path.join(path, "tierstore")
+    ps = pool.page_size
+    src, dst = page_indices(range(BATCH), ps), page_indices(range(BATCH, 2 * BATCH), ps)
+    with backend(d, redis_url, threads, mla=mla) as be:
+        be.register_mem_pool_host(pool)
+        be.register_mem_host_pool_v2(pool, PoolName.KV)
+        w, cold, warm = [], [], []
+        for rep in range(repeat):
+            keys = [uuid.uuid4().hex for _ in range(BATCH)]
+            if v2:
+                set_ = lambda: be.batch_set_v2([PoolTransfer(name=PoolName.KV, host_indices=src, keys=keys)])["kv"]  # noqa: E731
+                get_ = lambda: be.batch_get_v2([PoolTransfer(name=PoolName.KV, host_indices=dst, keys=keys)])["kv"]  # noqa: E731
+            else:
+                set_ = lambda: be.batch_set_v1(keys, src)  # noqa: E731
+                get_ = lambda: be.batch_get_v1(keys, dst)  # noqa: E731
+            out: list[Any] = []
+            w.append(timed(lambda: out.append(set_())))
+            drop_cache(d)
+            cold.append(timed(lambda: out.append(get_())))
+            warm.append(timed(lambda: out.append(get_())))
+            assert all(all(x) for x in out), "a tierstore call failed during the benchmark"
+        be.clear()
+        aligned = be._pool("kv").plan.aligned
+    shutil.rmtree(d, ignore_errors=True)
+    return {**rates(pool, w, cold, warm), "o_direct_zero_copy": aligned}
+
+
+def bench_probe(path: str, redis_url: str, repeat: int) -> dict[str, Any]:
+    pool = mha_pool("page_first_direct", page_size=16, layers=1, heads=2, head_dim=32, tokens=BATCH * 16)
+    ps = pool.page_size
+    with backend(os.path.join(path, "probe"), redis_url, 8) as be:
+        be.register_mem_pool_host(pool)
+        keys = [uuid.uuid4().hex for _ in range(BATCH)]
+        assert all(be.batch_set_v1(keys, page_indices(range(BATCH), ps)))
+        import redis
+
+        r = redis.Redis.from_url(redis_url)
+        ns = be._pool("kv").ns.ns
+        ekeys = [be.store.index.entry_key(ns, k) for k in keys]
+        missing = uuid.uuid4().hex
+        cases = {
+            "mget_128": lambda: r.mget(ekeys),
+            "probe_all_hit": lambda: be.batch_exists(keys),
+            "probe_first_missing": lambda: be.batch_exists([missing] + keys[1:]),
+            "probe_last_missing": lambda: be.batch_exists(keys[:-1] + [missing]),
+        }
+        out = {}
+        for name, fn in cases.items():
+            for _ in range(20):
+                fn()
+            out[name] = stats([1e3 * timed(fn) for _ in range(repeat)])  # ms
+        # per-page cost with 4 KiB pages from the page cache: I/O is negligible
+        src, dst = page_indices(range(BATCH), ps), page_indices(range(BATCH, 2 * BATCH), ps)
+    with backend(os.path.join(path, "tiny"), redis_url, 8, o_direct=False) as be:
+        be.register_mem_pool_host(pool)
+        sets, gets = [], []
+        for _ in range(max(20, repeat // 10)):
+            keys = [uuid.uuid4().hex for _ in range(BATCH)]
+            sets.append(1e6 * timed(lambda: be.batch_set_v1(keys, src)) / BATCH)
+            gets.append(1e6 * timed(lambda: be.batch_get_v1(keys, dst)) / BATCH)
+        out["us_per_page_set_4k"] = stats(sets)
+        out["us_per_page_get_4k"] = stats(gets)
+        be.clear()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", default="/var/tmp/tierstore-bench")
+    ap.add_argument("--sizes", default="256K,1M,2M,8M")
+    ap.add_argument("--threads", type=int, default=8)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--probe-repeat", type=int, default=300)
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    os.makedirs(a.dir, exist_ok=True)
+    work = tempfile.mkdtemp(dir=a.dir)
+    redis_proc, url = start_redis(work)
+    units = {"K": 1 << 10, "M": 1 << 20}
+    report: dict[str, Any] = {
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "threads": a.threads, "batch": BATCH, "repeat": a.repeat, "sizes": {},
+        "machine": {"cpus": os.cpu_count(), "dir": a.dir},
+    }
+    try:
+        for spec in a.sizes.split(","):
+            size = int(spec[:-1]) * units[spec[-1]]
+            p, layers, heads, dim = GEOMETRY[size]
+            mha = mha_pool("page_first_direct", page_size=p, layers=layers, heads=heads, head_dim=dim, tokens=BATCH * p)
+            g = torch.Generator().manual_seed(0)
+            mha.kv_buffer.view(-1).view(torch.uint8).copy_(torch.randint(0, 256, (mha.kv_buffer.numel() * 2,), dtype=torch.uint8, generator=g))
+            row: dict[str, Any] = {"page_bytes": page_bytes(mha)}
+            row["disk"] = disk_limit(work, size, a.threads, a.repeat)
+            row["hicache"] = bench_hicache(work, mha, a.repeat)
+            row["ts_v1"] = bench_tierstore(work, url, mha, a.threads, a.repeat)
+            row["ts_v2"] = bench_tierstore(work, url, mha, a.threads, a.repeat, v2=True)
+            del mha
+            mla = mla_pool("page_first", page_size=64, layers=MLA_LAYERS[size], kv_lora_rank=512, rope_dim=64, tokens=BATCH * 64)
+            row["ts_mla"] = {"page_bytes": page_bytes(mla), **bench_tierstore(work, url, mla, a.threads, a.repeat, mla=True)}
+            del mla
+            report["sizes"][spec] = row
+            print_row(spec, row)
+        report["probe"] = bench_probe(work, url, a.probe_repeat)
+        print_probe(report["probe"])
+    finally:
+        redis_proc.kill()
+        shutil.rmtree(work, ignore_errors=True)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+def med(d: dict[str, Any], key: str) -> float:
+    return float(d[key]["median"])
+
+
+def print_row(spec: str, row: dict[str, Any]) -> None:
+    disk_r, disk_w, hf = med(row["disk"], "read_gbps"), med(row["disk"], "write_gbps"), row["hicache"]
+    print(f"\n{spec} pages ({row['page_bytes']} B), batch {BATCH}: GB/s median [p90 p99]")
+    print(f"  disk O_DIRECT     write {disk_w:6.2f}   read {disk_r:6.2f}")
+    for name in ("hicache", "ts_v1", "ts_v2", "ts_mla"):
+        r = row[name]
+        line = "  ".join(f"{k[:-5]:>10} {med(r, k):6.2f} [{r[k]['p90']:.2f} {r[k]['p99']:.2f}]" for k in ("write_gbps", "read_cold_gbps", "read_warm_gbps"))
+        print(f"  {name:<8} {line}")
+    v1 = row["ts_v1"]
+    print(f"  ts_v1 / disk: write {med(v1, 'write_gbps') / disk_w:.2f}, cold read {med(v1, 'read_cold_gbps') / disk_r:.2f};"
+          f"  ts_v1 / hicache: write {med(v1, 'write_gbps') / med(hf, 'write_gbps'):.2f}, cold read "
+          f"{med(v1, 'read_cold_gbps') / med(hf, 'read_cold_gbps'):.2f}, warm read {med(v1, 'read_warm_gbps') / med(hf, 'read_warm_gbps'):.2f}")
+
+
+def print_probe(p: dict[str, Any]) -> None:
+    mget = med(p, "mget_128")
+    print(f"\nprobe of {BATCH} keys, ms median [p90 p99], ratio to one MGET of the same keys")
+    for k in ("mget_128", "probe_all_hit", "probe_first_missing", "probe_last_missing"):
+        print(f"  {k:<20} {med(p, k):.3f} [{p[k]['p90']:.3f} {p[k]['p99']:.3f}]  {med(p, k) / mget:.2f}x")
+    print(f"4 KiB pages, us per page median [p90 p99]: set {med(p, 'us_per_page_set_4k'):.1f} "
+          f"[{p['us_per_page_set_4k']['p90']:.1f} {p['us_per_page_set_4k']['p99']:.1f}], "
+          f"get {med(p, 'us_per_page_get_4k'):.1f} [{p['us_per_page_get_4k']['p90']:.1f} {p['us_per_page_get_4k']['p99']:.1f}]")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
