@@ -3,9 +3,10 @@
 Layout (``P`` = ``redis_prefix``, ``C`` = slot class, i.e. slot size in bytes)::
 
     P:e:<ns>:<key>   string "C:slot:gen:checksum"   a committed page
-    P:c:C            hash spf/next/files           class geometry and growth
+    P:c:C            hash spf/next/files/pending   class geometry, growth, slots under lease
     P:free:C         list of slot ids              reusable slots
-    P:pend:C         zset slot -> lease deadline   reserved, being written (never evicted)
+    P:pend:C         zset lease id -> deadline     leases: slots reserved by one write batch
+    P:lease:C:<id>   string "slot,slot,..."        the slots of one lease (never evicted)
     P:lru:C          zset entry key -> last use    committed pages, eviction order
     P:bad:C          zset slot -> since            quarantined after a write error
     P:bytes          string                        page-file bytes allocated, all classes
@@ -77,84 +78,115 @@ end
 class RedisIndex:
     """Key -> slot index, free slots, leases, recency and capacity, in Redis."""
 
-    # KEYS[1] - class hash   KEYS[2] - free list   KEYS[3] - pending zset   KEYS[4] - LRU zset
+    # KEYS[1] - class hash   KEYS[2] - free list   KEYS[3] - lease zset   KEYS[4] - LRU zset
     # KEYS[5] - allocated bytes   KEYS[6] - generation counter   KEYS[7..] - entry keys
     # ARGV[1] - lease deadline   ARGV[2] - capacity bytes   ARGV[3] - slot size
-    # ARGV[4] - slots per file   ARGV[5] - generation seed
+    # ARGV[4] - slots per file   ARGV[5] - generation seed   ARGV[6] - lease key prefix
     # returns {first generation, pages evicted, r_1..r_n}: r_i = slot id, -1 exists, -2 full;
-    #         {-3} if the class was created with another slots-per-file
+    #         {-3} if the class was created with another slots-per-file.
+    # Reserved slot i (in key order) gets generation first+i-1; the first generation also
+    # names the batch's lease, which only FINISH (the writer) or SWEEP (expiry) ends.
     RESERVE = _EVICT_ONE + """
 local spf = redis.call('HGET', KEYS[1], 'spf')
 if not spf then redis.call('HSET', KEYS[1], 'spf', ARGV[4]); spf = ARGV[4] end
 if spf ~= ARGV[4] then return {-3} end
 spf = tonumber(spf)
 local file_bytes = spf * tonumber(ARGV[3])
-local nxt = tonumber(redis.call('HGET', KEYS[1], 'next') or '0')
-local files = tonumber(redis.call('HGET', KEYS[1], 'files') or '0')
-local cap = tonumber(ARGV[2])
-local out = {0, 0}
-local n = 0
-for i = 7, #KEYS do
-  local r = -2
-  if redis.call('EXISTS', KEYS[i]) == 1 then
-    r = -1
-  else
-    local s = redis.call('LPOP', KEYS[2])
-    if not s then
-      if nxt < files * spf then
-        s = nxt; nxt = nxt + 1
-      elseif tonumber(redis.call('GET', KEYS[5]) or '0') + file_bytes <= cap then
-        redis.call('INCRBY', KEYS[5], file_bytes)
-        files = files + 1; s = nxt; nxt = nxt + 1
-      else
-        s = evict_one(KEYS[4])
-        if s then out[2] = out[2] + 1 end
-      end
-    end
-    if s then
-      r = tonumber(s)
-      redis.call('ZADD', KEYS[3], ARGV[1], s)
-      n = n + 1
+local n = #KEYS - 6
+local present = redis.call('MGET', unpack(KEYS, 7))
+local need = 0
+for i = 1, n do if not present[i] then need = need + 1 end end
+local got, evicted = {}, 0
+if need > 0 then
+  got = redis.call('LPOP', KEYS[2], need) or {}
+  local nxt = tonumber(redis.call('HGET', KEYS[1], 'next') or '0')
+  local files = tonumber(redis.call('HGET', KEYS[1], 'files') or '0')
+  while #got < need do
+    if nxt < files * spf then
+      got[#got + 1] = string.format('%d', nxt); nxt = nxt + 1
+    elseif tonumber(redis.call('GET', KEYS[5]) or '0') + file_bytes <= tonumber(ARGV[2]) then
+      redis.call('INCRBY', KEYS[5], file_bytes); files = files + 1
+    else
+      local s = evict_one(KEYS[4])
+      if not s then break end
+      got[#got + 1] = s; evicted = evicted + 1
     end
   end
-  out[#out + 1] = r
+  redis.call('HSET', KEYS[1], 'next', nxt, 'files', files)
 end
-redis.call('HSET', KEYS[1], 'next', nxt, 'files', files)
-if n > 0 then
+local out = {0, evicted}
+if #got > 0 then
   if redis.call('EXISTS', KEYS[6]) == 0 then redis.call('SET', KEYS[6], ARGV[5]) end
-  out[1] = redis.call('INCRBY', KEYS[6], n) - n + 1
+  local first = redis.call('INCRBY', KEYS[6], #got) - #got + 1
+  local lease = string.format('%d', first)
+  out[1] = first
+  redis.call('SET', ARGV[6] .. lease, table.concat(got, ','))
+  redis.call('ZADD', KEYS[3], ARGV[1], lease)
+  redis.call('HINCRBY', KEYS[1], 'pending', #got)
+end
+local j = 0
+for i = 1, n do
+  if present[i] then
+    out[#out + 1] = -1
+  elseif got[j + 1] then
+    j = j + 1
+    out[#out + 1] = tonumber(got[j])
+  else
+    out[#out + 1] = -2
+  end
 end
 return out
 """
 
-    # KEYS[1] - pending zset   KEYS[2] - free list   KEYS[3] - LRU zset   KEYS[4] - quarantine zset
-    # KEYS[5..] - entry keys, one per reserved slot
-    # ARGV[1] - now; then per slot: action ('c' commit, 'f' free, 'q' quarantine), slot, value
+    # KEYS[1] - lease zset   KEYS[2] - free list   KEYS[3] - LRU zset   KEYS[4] - quarantine zset
+    # KEYS[5] - class hash   KEYS[6..] - entry keys, one per reserved slot
+    # ARGV[1] - now   ARGV[2] - lease key prefix   ARGV[3] - lease id
+    # then per slot: ARGV[3i+1] action ('c' commit, 'f' free, 'q' quarantine), slot, value
     # returns per slot: 1 if the key is now stored (by us or a racing writer), else 0.
-    #         A slot whose lease was lost (reclaimed) is left alone: it belongs to someone else.
+    #         If the lease was reclaimed (expired), nothing is touched: the slots may be
+    #         someone else's by now.
     FINISH = """
+local n = #KEYS - 5
 local out = {}
-for i = 5, #KEYS do
-  local j = 2 + (i - 5) * 3
-  local action, slot = ARGV[j], ARGV[j + 1]
+if redis.call('ZREM', KEYS[1], ARGV[3]) == 0 then
+  for i = 1, n do out[i] = 0 end
+  return out
+end
+local leased = {}
+local count = 0
+for slot in string.gmatch(redis.call('GET', ARGV[2] .. ARGV[3]) or '', '%d+') do
+  leased[slot] = true; count = count + 1
+end
+redis.call('DEL', ARGV[2] .. ARGV[3])
+redis.call('HINCRBY', KEYS[5], 'pending', -count)
+local stored = redis.call('MGET', unpack(KEYS, 6))
+local mset, lru, free, bad = {}, {}, {}, {}
+for i = 1, n do
+  local action, slot, value = ARGV[3 * i + 1], ARGV[3 * i + 2], ARGV[3 * i + 3]
   local ok = 0
-  if redis.call('ZREM', KEYS[1], slot) == 1 then
+  if leased[slot] then
+    leased[slot] = nil
     if action == 'c' then
-      if redis.call('EXISTS', KEYS[i]) == 1 then
-        redis.call('RPUSH', KEYS[2], slot)
-      else
-        redis.call('SET', KEYS[i], ARGV[j + 2])
-        redis.call('ZADD', KEYS[3], ARGV[1], KEYS[i])
-      end
       ok = 1
+      if stored[i] then
+        free[#free + 1] = slot
+      else
+        stored[i] = value  -- a key twice in one batch: the first one wins
+        mset[#mset + 1] = KEYS[5 + i]; mset[#mset + 1] = value
+        lru[#lru + 1] = ARGV[1]; lru[#lru + 1] = KEYS[5 + i]
+      end
     elseif action == 'q' then
-      redis.call('ZADD', KEYS[4], ARGV[1], slot)
+      bad[#bad + 1] = ARGV[1]; bad[#bad + 1] = slot
     else
-      redis.call('RPUSH', KEYS[2], slot)
+      free[#free + 1] = slot
     end
   end
-  out[#out + 1] = ok
+  out[i] = ok
 end
+for slot in pairs(leased) do free[#free + 1] = slot end  -- leased but not reported: free it
+if #mset > 0 then redis.call('MSET', unpack(mset)); redis.call('ZADD', KEYS[3], unpack(lru)) end
+if #free > 0 then redis.call('RPUSH', KEYS[2], unpack(free)) end
+if #bad > 0 then redis.call('ZADD', KEYS[4], unpack(bad)) end
 return out
 """
 
@@ -176,15 +208,23 @@ end
 return n
 """
 
-    # KEYS[1] - class hash   KEYS[2] - free list   KEYS[3] - pending zset   KEYS[4] - LRU zset
+    # KEYS[1] - class hash   KEYS[2] - free list   KEYS[3] - lease zset   KEYS[4] - LRU zset
     # KEYS[5] - allocated bytes   KEYS[6] - quarantine zset
     # ARGV[1] - now   ARGV[2] - slot size   ARGV[3] - capacity bytes   ARGV[4] - free slots wanted
-    # ARGV[5] - most slots moved per kind   ARGV[6] - release quarantined slots older than this
-    # returns {leases reclaimed, pages evicted, slots released from quarantine}
+    # ARGV[5] - most leases/slots handled per kind   ARGV[6] - release quarantined slots older than this
+    # ARGV[7] - lease key prefix
+    # returns {slots reclaimed from expired leases, pages evicted, slots released from quarantine}
     SWEEP = _EVICT_ONE + """
 local maxw = tonumber(ARGV[5])
-local expired = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', ARGV[1], 'LIMIT', 0, maxw)
-for _, s in ipairs(expired) do redis.call('ZREM', KEYS[3], s); redis.call('RPUSH', KEYS[2], s) end
+local reclaimed = 0
+for _, lease in ipairs(redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', ARGV[1], 'LIMIT', 0, maxw)) do
+  for slot in string.gmatch(redis.call('GET', ARGV[7] .. lease) or '', '%d+') do
+    redis.call('RPUSH', KEYS[2], slot); reclaimed = reclaimed + 1
+  end
+  redis.call('DEL', ARGV[7] .. lease)
+  redis.call('ZREM', KEYS[3], lease)
+end
+if reclaimed > 0 then redis.call('HINCRBY', KEYS[1], 'pending', -reclaimed) end
 local released = redis.call('ZRANGEBYSCORE', KEYS[6], '-inf', ARGV[6], 'LIMIT', 0, maxw)
 for _, s in ipairs(released) do redis.call('ZREM', KEYS[6], s); redis.call('RPUSH', KEYS[2], s) end
 local evicted = 0
@@ -203,7 +243,7 @@ if spf > 0 then
     end
   end
 end
-return {#expired, evicted, #released}
+return {reclaimed, evicted, #released}
 """
 
     def __init__(
@@ -241,6 +281,9 @@ return {#expired, evicted, #released}
     def _class_keys(self, cls: SlotClass) -> tuple[str, str, str, str, str, str]:
         c, p = cls.name, self.prefix
         return (f"{p}:c:{c}", f"{p}:free:{c}", f"{p}:pend:{c}", f"{p}:lru:{c}", f"{p}:bytes", f"{p}:bad:{c}")
+
+    def _lease_prefix(self, cls: SlotClass) -> str:
+        return f"{self.prefix}:lease:{cls.name}:"
 
     # -- failure handling -----------------------------------------------------
 
@@ -280,19 +323,19 @@ return {#expired, evicted, #released}
         """Reserve a slot per key: (first generation, pages evicted, [slot | EXISTS | FULL])."""
         now = self._clock()
         keys = [*self._class_keys(cls)[:5], f"{self.prefix}:gen", *entry_keys]
-        args = [repr(now + lease_s), capacity, cls.slot_size, cls.slots_per_file, int(now * 1e6)]
+        args = [repr(now + lease_s), capacity, cls.slot_size, cls.slots_per_file, int(now * 1e6), self._lease_prefix(cls)]
         out = self._call(lambda: self._reserve(keys=keys, args=args))
         if out[0] == _GEOMETRY_MISMATCH:
             raise TierStoreError(f"slot class {cls.name} exists with another slots_per_file")
         return int(out[0]), int(out[1]), [int(x) for x in out[2:]]
 
-    def finish(self, cls: SlotClass, ops: Sequence[tuple[str, str, int, bytes]]) -> list[bool]:
-        """Commit, free or quarantine reserved slots: ops are (entry key, 'c'|'f'|'q', slot, value)."""
+    def finish(self, cls: SlotClass, lease: int, ops: Sequence[tuple[str, str, int, bytes]]) -> list[bool]:
+        """End a write's lease: per slot (entry key, 'c'ommit|'f'ree|'q'uarantine, slot, value)."""
         if not ops:
             return []
         ck = self._class_keys(cls)
-        keys = [ck[2], ck[1], ck[3], ck[5], *(op[0] for op in ops)]
-        args: list[Any] = [repr(self._clock())]
+        keys = [ck[2], ck[1], ck[3], ck[5], ck[0], *(op[0] for op in ops)]
+        args: list[Any] = [repr(self._clock()), self._lease_prefix(cls), lease]
         for _, action, slot, value in ops:
             args += [action, slot, value]
         return [bool(x) for x in self._call(lambda: self._finish(keys=keys, args=args))]
@@ -318,7 +361,7 @@ return {#expired, evicted, #released}
         """Reclaim expired leases, release old quarantines, evict ahead of need."""
         now = self._clock()
         keys = list(self._class_keys(cls))
-        args = [repr(now), cls.slot_size, capacity, free_slots, max_work, repr(now - quarantine_s)]
+        args = [repr(now), cls.slot_size, capacity, free_slots, max_work, repr(now - quarantine_s), self._lease_prefix(cls)]
         a, b, c = self._call(lambda: self._sweep(keys=keys, args=args))
         return int(a), int(b), int(c)
 
@@ -342,15 +385,15 @@ return {#expired, evicted, #released}
 
         def run() -> list[Any]:
             p = self._r.pipeline(transaction=False)
-            p.hgetall(ck[0]).llen(ck[1]).zcard(ck[2]).zcard(ck[3]).get(ck[4]).zcard(ck[5])
+            p.hgetall(ck[0]).llen(ck[1]).zcard(ck[3]).get(ck[4]).zcard(ck[5])
             return p.execute()
 
-        h, free, pend, pages, used, bad = self._call(run)
+        h, free, pages, used, bad = self._call(run)
         return {
             "files": int(h.get(b"files", 0)),
             "slots": int(h.get(b"next", 0)),
             "free": free,
-            "pending": pend,
+            "pending": int(h.get(b"pending", 0)),
             "pages": pages,
             "quarantined": bad,
             "allocated_bytes": int(used or 0),

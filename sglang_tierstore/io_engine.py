@@ -2,9 +2,10 @@
 
 preadv/pwritev and xxhash release the GIL, so ``threads`` workers keep that many
 requests in flight (the queue depth NVMe needs). A batch is cut into at most
-``threads`` contiguous chunks, one task each, so the per-page cost is a function
-call, not a future. A failure stays with its page: the result list holds either
-the function's value or the exception it raised.
+``threads`` contiguous chunks of at least ``MIN_CHUNK_BYTES``, one task each, so
+the per-page cost is a function call, not a future, and a batch of tiny pages
+runs inline instead of paying thread hand-offs. A failure stays with its page:
+the result list holds either the function's value or the exception it raised.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ def _run_chunk(fn: Callable[[A], R], items: Sequence[A]) -> list[Outcome[R]]:
     return out
 
 
+MIN_CHUNK_BYTES = 1 << 20
+
+
 class IOEngine:
     """A fixed pool of I/O threads; ``map`` keeps results in input order."""
 
@@ -35,11 +39,12 @@ class IOEngine:
         self.threads = threads
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tierstore-io")
 
-    def map(self, fn: Callable[[A], R], items: Sequence[A]) -> list[Outcome[R]]:
+    def map(self, fn: Callable[[A], R], items: Sequence[A], item_bytes: int) -> list[Outcome[R]]:
+        """``fn`` over ``items`` (each moving about ``item_bytes``), in input order."""
         n = len(items)
-        if n <= 1 or self.threads == 1:
+        chunks = min(self.threads, n, max(1, n * item_bytes // MIN_CHUNK_BYTES))
+        if chunks <= 1:
             return _run_chunk(fn, items)
-        chunks = min(self.threads, n)
         bounds = [n * i // chunks for i in range(chunks + 1)]
         futures = [
             self._pool.submit(_run_chunk, fn, items[bounds[i] : bounds[i + 1]]) for i in range(1, chunks)

@@ -149,8 +149,9 @@ class PageFiles:
         if n != length:
             raise PageIOError(errno.EIO, f"short write of slot {slot}")
 
-    def read_slot(self, cls: SlotClass, slot: int, data: Sequence[memoryview], aligned: bool) -> bytes:
-        """Read a slot's page bytes into ``data`` with one preadv; return its header."""
+    def read_slot(self, cls: SlotClass, slot: int, data: Sequence[memoryview], aligned: bool) -> memoryview:
+        """Read a slot's page bytes into ``data`` with one preadv; return its header
+        (a view of this thread's header buffer, valid until its next read)."""
         file_no, off = self.locate(cls, slot)
         fd, dfd = self._open(cls, file_no)
         hdr = self._hdr.view
@@ -162,7 +163,7 @@ class PageFiles:
             raise PageIOError(e.errno, f"read of slot {slot} in {self.file_path(cls, file_no)} failed: {e.strerror}") from e
         if n != length:
             raise PageIOError(errno.EIO, f"short read of slot {slot} ({n} of {length} bytes)")
-        return bytes(hdr[: _HEADER.size])
+        return hdr[: _HEADER.size]
 
     def files(self) -> list[str]:
         """Every page file on disk, for checks and tests."""

@@ -137,7 +137,7 @@ class TierStore:
             header = self.files.read_slot(ns.cls, e.slot, regions, aligned)
             return header == pack_header(key_digest(ekey.encode()), e.gen, ns.page_bytes, e.cks) and checksum(regions) == e.cks
 
-        outcomes = self.io.map(read_one, jobs)
+        outcomes = self.io.map(read_one, jobs, ns.page_bytes)
         results = [False] * len(keys)
         bad: list[tuple[str, bytes]] = []
         for i, o in enumerate(outcomes):
@@ -193,7 +193,7 @@ class TierStore:
             self.files.write_slot(cls, slot, header, srcs[i], aligned)
             return cks
 
-        outcomes = self.io.map(write_one, jobs)
+        outcomes = self.io.map(write_one, jobs, ns.page_bytes)
         ops = []
         for (i, slot, gen), o in zip(jobs, outcomes):
             if isinstance(o, BaseException):
@@ -202,7 +202,7 @@ class TierStore:
             else:
                 ops.append((ekeys[i], "c", slot, format_entry(cls.slot_size, slot, gen, o)))
         written = 0
-        for (i, _, _), op, ok in zip(jobs, ops, self.index.finish(cls, ops)):
+        for (i, _, _), op, ok in zip(jobs, ops, self.index.finish(cls, gen0, ops)):
             results[i] = ok
             written += ok and op[1] == "c"
         self.metrics.pages("write", "stored", written)
