@@ -11,8 +11,12 @@ Everything runs on the same directory, one page size at a time, batches of 128 p
   ts_v1     tierstore batch_set_v1/batch_get_v1 on a real MHA page_first_direct host pool
   ts_mla    the same on an MLA page_first host pool (its page size is the nearest MLA one)
   ts_v2     tierstore batch_set_v2/batch_get_v2 (the KV pool registered as a v2 pool)
+  ts_v1_nocks  diagnostic: ts_v1 writes with the checksum pass replaced by a constant
 Reads are "cold" after POSIX_FADV_DONTNEED on every file written (the page cache dropped
-for them) and "warm" right after. Then the probe of 128 keys (all hit / first missing /
+for them) and "warm" right after. Every round writes new keys; tierstore then drops them so
+the next round overwrites the same slots, as a full store reuses evicted ones (and as the
+disk rounds overwrite the same file range): the first write into preallocated space costs
+ext4 extra (unwritten extents), which only a store's first fill pays. Then the probe of 128 keys (all hit / first missing /
 last missing) against one redis-py MGET of the same keys, and per-page cost with 4 KiB
 pages, where I/O is negligible. Each figure is the median of --repeat runs (p90, p99 too);
 ratios compare medians of the same run. Starts its own redis-server.
@@ -22,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
 import shutil
 import socket
@@ -32,8 +35,9 @@ import sys
 import tempfile
 import time
 import uuid
+from unittest import mock
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
@@ -43,6 +47,8 @@ from pools import mha_pool, mla_pool, page_indices, storage_config  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import HiCacheFile, PoolName, PoolTransfer  # noqa: E402
 
 from sglang_tierstore import TierStoreBackend  # noqa: E402
+from sglang_tierstore import store as ts_store  # noqa: E402
+from sglang_tierstore.hostmem import ALIGN  # noqa: E402
 
 BATCH = 128
 # page bytes -> MHA geometry (tokens per page, layers, KV heads, head dim), bf16, K and V
@@ -97,80 +103,65 @@ def start_redis(workdir: str) -> tuple[subprocess.Popen[bytes], str]:
     return proc, f"redis://127.0.0.1:{port}/0"
 
 
-# -- the disk's own limit ---------------------------------------------------------------
+# -- the systems compared: each yields (write, cold read, warm read) seconds per round --------
+#    Rounds of all systems are interleaved (rotating order) so they share the machine's moods.
+
+Round = tuple[float, float, float]
 
 
-def disk_limit(path: str, page: int, threads: int, repeat: int) -> dict[str, Any]:
-    """O_DIRECT pwritev/preadv of BATCH pages of `page` bytes with `threads` threads."""
+def disk_rounds(path: str, page: int, threads: int) -> Iterator[Round]:
+    """O_DIRECT pwritev/preadv of BATCH pages of `page` bytes, each from its own place in one
+    torch-allocated buffer (the memory a host pool has), with `threads` threads each taking
+    a contiguous run of pages, as tierstore's I/O engine cuts a batch."""
     f = os.path.join(path, "odirect.bin")
     fd = os.open(f, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o644)
     os.posix_fallocate(fd, 0, page * BATCH)
-    bufs = [mmap.mmap(-1, page) for _ in range(threads)]
-    for b in bufs:
-        b.write(os.urandom(page))
+    mem = torch.randint(0, 256, (page * BATCH + ALIGN,), dtype=torch.uint8)
+    start = -mem.data_ptr() % ALIGN
+    whole = memoryview(mem.numpy())[start : start + page * BATCH]  # type: ignore[arg-type]
+    bufs = [whole[i * page : (i + 1) * page] for i in range(BATCH)]
     pool = ThreadPoolExecutor(threads)
 
     def run(write: bool) -> None:
         def chunk(t: int) -> None:
-            for i in range(t, BATCH, threads):
-                (os.pwritev if write else os.preadv)(fd, [bufs[t]], i * page)
+            for i in range(BATCH * t // threads, BATCH * (t + 1) // threads):
+                (os.pwritev if write else os.preadv)(fd, [bufs[i]], i * page)
 
         list(pool.map(chunk, range(threads)))
 
-    w = [timed(lambda: run(True)) for _ in range(repeat)]
-    r = [timed(lambda: run(False)) for _ in range(repeat)]
-    pool.shutdown()
-    os.close(fd)
-    os.remove(f)
-    gb = page * BATCH / 1e9
-    return {"write_gbps": stats([gb / t for t in w]), "read_gbps": stats([gb / t for t in r])}
+    try:
+        while True:
+            yield timed(lambda: run(True)), timed(lambda: run(False)), timed(lambda: run(False))
+    finally:
+        pool.shutdown()
+        os.close(fd)
+        os.remove(f)
 
 
-# -- SGLang's HiCacheFile, as SGLang calls it -------------------------------------------
-
-
-def bench_hicache(path: str, pool: Any, repeat: int) -> dict[str, Any]:
+def hicache_rounds(path: str, pool: Any) -> Iterator[Round]:
+    """SGLang's HiCacheFile, called as cache_controller's _generic_page_set/_generic_page_get do."""
     d = os.path.join(path, "hicache")
     hf = HiCacheFile(storage_config({}), file_path=d)
     ps = pool.page_size
-    w, cold, warm = [], [], []
-    for rep in range(repeat):
-        keys = [f"{uuid.uuid4().hex}" for _ in range(BATCH)]
+    try:
+        while True:
+            keys = [uuid.uuid4().hex for _ in range(BATCH)]
 
-        def set_() -> None:  # cache_controller._generic_page_set
-            data = [pool.get_data_page(i * ps) for i in range(BATCH)]
-            assert hf.batch_set(keys, data)
+            def set_() -> None:
+                assert hf.batch_set(keys, [pool.get_data_page(i * ps) for i in range(BATCH)])
 
-        def get_() -> None:  # cache_controller._generic_page_get
-            dummy = [pool.get_dummy_flat_data_page() for _ in keys]
-            got = hf.batch_get(keys, dummy)
-            for i, page in enumerate(got):
-                assert page is not None
-                pool.set_from_flat_data_page((BATCH + i) * ps, page)
+            def get_() -> None:
+                got = hf.batch_get(keys, [pool.get_dummy_flat_data_page() for _ in keys])
+                for i, page in enumerate(got):
+                    assert page is not None
+                    pool.set_from_flat_data_page((BATCH + i) * ps, page)
 
-        w.append(timed(set_))
-        drop_cache(d)
-        cold.append(timed(get_))
-        warm.append(timed(get_))
-    hf.clear()
-    shutil.rmtree(d, ignore_errors=True)
-    return rates(pool, w, cold, warm)
-
-
-def rates(pool: Any, w: list[float], cold: list[float], warm: list[float]) -> dict[str, Any]:
-    gb = page_bytes(pool) * BATCH / 1e9
-    return {
-        "write_gbps": stats([gb / t for t in w]),
-        "read_cold_gbps": stats([gb / t for t in cold]),
-        "read_warm_gbps": stats([gb / t for t in warm]),
-    }
-
-
-def page_bytes(pool: Any) -> int:
-    return int(pool.get_dummy_flat_data_page().numel() * pool.dtype.itemsize)
-
-
-# -- tierstore ---------------------------------------------------------------------------
+            w = timed(set_)
+            drop_cache(d)
+            yield w, timed(get_), timed(get_)
+    finally:
+        hf.clear()
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def backend(path: str, redis_url: str, threads: int, mla: bool = False, **extra: Any) -> TierStoreBackend:
@@ -179,15 +170,19 @@ def backend(path: str, redis_url: str, threads: int, mla: bool = False, **extra:
     return TierStoreBackend(storage_config(cfg, mla=mla), {})
 
 
-def bench_tierstore(path: str, redis_url: str, pool: Any, threads: int, repeat: int, v2: bool = False, mla: bool = False) -> dict[str, Any]:
-    d = os.path.join(path, "tierstore")
+def tierstore_rounds(path: str, redis_url: str, pool: Any, threads: int, v2: bool, mla: bool, info: dict[str, Any],
+                     checksum: bool = True) -> Iterator[Round]:
+    """tierstore's calls; ``checksum=False`` is a diagnostic: writes with the checksum pass
+    replaced by a constant (what the write path costs without it), reads not measured."""
+    d = os.path.join(path, "tierstore-" + uuid.uuid4().hex[:6])
     ps = pool.page_size
     src, dst = page_indices(range(BATCH), ps), page_indices(range(BATCH, 2 * BATCH), ps)
-    with backend(d, redis_url, threads, mla=mla) as be:
-        be.register_mem_pool_host(pool)
-        be.register_mem_host_pool_v2(pool, PoolName.KV)
-        w, cold, warm = [], [], []
-        for rep in range(repeat):
+    be = backend(d, redis_url, threads, mla=mla)
+    be.register_mem_pool_host(pool)
+    be.register_mem_host_pool_v2(pool, PoolName.KV)
+    info["o_direct_zero_copy"] = be._pool("kv").plan.aligned
+    try:
+        while True:
             keys = [uuid.uuid4().hex for _ in range(BATCH)]
             if v2:
                 set_ = lambda: be.batch_set_v2([PoolTransfer(name=PoolName.KV, host_indices=src, keys=keys)])["kv"]  # noqa: E731
@@ -196,15 +191,51 @@ def bench_tierstore(path: str, redis_url: str, pool: Any, threads: int, repeat: 
                 set_ = lambda: be.batch_set_v1(keys, src)  # noqa: E731
                 get_ = lambda: be.batch_get_v1(keys, dst)  # noqa: E731
             out: list[Any] = []
-            w.append(timed(lambda: out.append(set_())))
+            if not checksum:
+                with mock.patch.object(ts_store, "checksum", lambda regions: 0):
+                    w = timed(lambda: out.append(set_()))
+                assert all(out[0])
+                yield w, float("nan"), float("nan")
+                be.clear()
+                continue
+            w = timed(lambda: out.append(set_()))
             drop_cache(d)
-            cold.append(timed(lambda: out.append(get_())))
-            warm.append(timed(lambda: out.append(get_())))
+            cold = timed(lambda: out.append(get_()))
+            warm = timed(lambda: out.append(get_()))
             assert all(all(x) for x in out), "a tierstore call failed during the benchmark"
+            yield w, cold, warm
+            be.clear()  # the next round overwrites these slots, as a full store reuses evicted ones
+    finally:
         be.clear()
-        aligned = be._pool("kv").plan.aligned
-    shutil.rmtree(d, ignore_errors=True)
-    return {**rates(pool, w, cold, warm), "o_direct_zero_copy": aligned}
+        be.close()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def rates(nbytes: int, rounds: list[Round]) -> dict[str, Any]:
+    gb = nbytes * BATCH / 1e9
+    out = {}
+    for i, name in enumerate(("write_gbps", "read_cold_gbps", "read_warm_gbps")):
+        secs = [r[i] for r in rounds if r[i] == r[i]]  # NaN: not measured
+        if secs:
+            out[name] = stats([gb / t for t in secs])
+    return out
+
+
+def interleave(systems: dict[str, Iterator[Round]], repeat: int) -> dict[str, list[Round]]:
+    names = list(systems)
+    samples: dict[str, list[Round]] = {n: [] for n in names}
+    try:
+        for rep in range(repeat):
+            for name in names[rep % len(names):] + names[: rep % len(names)]:
+                samples[name].append(next(systems[name]))
+    finally:
+        for g in systems.values():
+            g.close()
+    return samples
+
+
+def page_bytes(pool: Any) -> int:
+    return int(pool.get_dummy_flat_data_page().numel() * pool.dtype.itemsize)
 
 
 def bench_probe(path: str, redis_url: str, repeat: int) -> dict[str, Any]:
@@ -226,24 +257,69 @@ def bench_probe(path: str, redis_url: str, repeat: int) -> dict[str, Any]:
             "probe_first_missing": lambda: be.batch_exists([missing] + keys[1:]),
             "probe_last_missing": lambda: be.batch_exists(keys[:-1] + [missing]),
         }
-        out = {}
-        for name, fn in cases.items():
+        for fn in cases.values():
             for _ in range(20):
                 fn()
-            out[name] = stats([1e3 * timed(fn) for _ in range(repeat)])  # ms
+        names = list(cases)
+        ms: dict[str, list[float]] = {n: [] for n in names}
+        for i in range(repeat):  # interleaved, rotating order
+            for name in names[i % len(names):] + names[: i % len(names)]:
+                ms[name].append(1e3 * timed(cases[name]))
+        out: dict[str, Any] = {n: stats(v) for n, v in ms.items()}
         # per-page cost with 4 KiB pages from the page cache: I/O is negligible
         src, dst = page_indices(range(BATCH), ps), page_indices(range(BATCH, 2 * BATCH), ps)
     with backend(os.path.join(path, "tiny"), redis_url, 8, o_direct=False) as be:
         be.register_mem_pool_host(pool)
-        sets, gets = [], []
+        redis_s = count_redis_time(be)
+        sets, gets, set_py, get_py = [], [], [], []
         for _ in range(max(20, repeat // 10)):
             keys = [uuid.uuid4().hex for _ in range(BATCH)]
-            sets.append(1e6 * timed(lambda: be.batch_set_v1(keys, src)) / BATCH)
-            gets.append(1e6 * timed(lambda: be.batch_get_v1(keys, dst)) / BATCH)
+            for op, total, py in ((lambda: be.batch_set_v1(keys, src), sets, set_py), (lambda: be.batch_get_v1(keys, dst), gets, get_py)):
+                redis_s[0] = 0.0
+                t = timed(op)
+                total.append(1e6 * t / BATCH)
+                py.append(1e6 * (t - redis_s[0]) / BATCH - SYSCALL_US[0])
         out["us_per_page_set_4k"] = stats(sets)
         out["us_per_page_get_4k"] = stats(gets)
+        out["python_us_per_page_set_4k"] = stats(set_py)
+        out["python_us_per_page_get_4k"] = stats(get_py)
+        out["syscall_us_per_page_4k"] = SYSCALL_US[0]
         be.clear()
     return out
+
+
+SYSCALL_US = [0.0]
+
+
+def measure_syscall(path: str) -> None:
+    """Cost of one preadv of a 4 KiB header + 4 KiB page from the page cache (subtracted above)."""
+    f = os.path.join(path, "syscall.bin")
+    fd = os.open(f, os.O_RDWR | os.O_CREAT, 0o644)
+    os.posix_fallocate(fd, 0, 8192 * BATCH)
+    bufs = [memoryview(bytearray(4096)), memoryview(bytearray(4096))]
+    n = BATCH * 50
+    t = timed(lambda: [os.preadv(fd, bufs, (i % BATCH) * 8192) for i in range(n)])
+    os.close(fd)
+    os.remove(f)
+    SYSCALL_US[0] = 1e6 * t / n
+
+
+def count_redis_time(be: TierStoreBackend) -> list[float]:
+    """Wrap the backend's index calls to add up the time spent waiting on Redis."""
+    acc = [0.0]
+    idx = be.store.index
+    for name in ("lookup", "reserve", "finish"):
+        fn = getattr(idx, name)
+
+        def timed_call(*a: Any, _fn: Callable[..., Any] = fn, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                acc[0] += time.perf_counter() - t0
+
+        setattr(idx, name, timed_call)
+    return acc
 
 
 def main() -> int:
@@ -269,19 +345,29 @@ def main() -> int:
             size = int(spec[:-1]) * units[spec[-1]]
             p, layers, heads, dim = GEOMETRY[size]
             mha = mha_pool("page_first_direct", page_size=p, layers=layers, heads=heads, head_dim=dim, tokens=BATCH * p)
-            g = torch.Generator().manual_seed(0)
-            mha.kv_buffer.view(-1).view(torch.uint8).copy_(torch.randint(0, 256, (mha.kv_buffer.numel() * 2,), dtype=torch.uint8, generator=g))
-            row: dict[str, Any] = {"page_bytes": page_bytes(mha)}
-            row["disk"] = disk_limit(work, size, a.threads, a.repeat)
-            row["hicache"] = bench_hicache(work, mha, a.repeat)
-            row["ts_v1"] = bench_tierstore(work, url, mha, a.threads, a.repeat)
-            row["ts_v2"] = bench_tierstore(work, url, mha, a.threads, a.repeat, v2=True)
-            del mha
             mla = mla_pool("page_first", page_size=64, layers=MLA_LAYERS[size], kv_lora_rank=512, rope_dim=64, tokens=BATCH * 64)
-            row["ts_mla"] = {"page_bytes": page_bytes(mla), **bench_tierstore(work, url, mla, a.threads, a.repeat, mla=True)}
-            del mla
+            g = torch.Generator().manual_seed(0)
+            for pool in (mha, mla):
+                raw = pool.kv_buffer.view(-1).view(torch.uint8)
+                raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
+            info: dict[str, dict[str, Any]] = {"ts_v1": {}, "ts_v2": {}, "ts_mla": {}}
+            samples = interleave({
+                "disk": disk_rounds(work, size, a.threads),
+                "hicache": hicache_rounds(work, mha),
+                "ts_v1": tierstore_rounds(work, url, mha, a.threads, False, False, info["ts_v1"]),
+                "ts_v2": tierstore_rounds(work, url, mha, a.threads, True, False, info["ts_v2"]),
+                "ts_mla": tierstore_rounds(work, url, mla, a.threads, False, True, info["ts_mla"]),
+                "ts_v1_nocks": tierstore_rounds(work, url, mha, a.threads, False, False, {}, checksum=False),
+            }, a.repeat)
+            row: dict[str, Any] = {"page_bytes": page_bytes(mha)}
+            for name, rounds in samples.items():
+                nbytes = page_bytes(mla) if name == "ts_mla" else size
+                row[name] = {**rates(nbytes, rounds), **info.get(name, {})}
+            row["ts_mla"]["page_bytes"] = page_bytes(mla)
+            del mha, mla
             report["sizes"][spec] = row
             print_row(spec, row)
+        measure_syscall(work)
         report["probe"] = bench_probe(work, url, a.probe_repeat)
         print_probe(report["probe"])
     finally:
@@ -298,17 +384,17 @@ def med(d: dict[str, Any], key: str) -> float:
 
 
 def print_row(spec: str, row: dict[str, Any]) -> None:
-    disk_r, disk_w, hf = med(row["disk"], "read_gbps"), med(row["disk"], "write_gbps"), row["hicache"]
-    print(f"\n{spec} pages ({row['page_bytes']} B), batch {BATCH}: GB/s median [p90 p99]")
-    print(f"  disk O_DIRECT     write {disk_w:6.2f}   read {disk_r:6.2f}")
-    for name in ("hicache", "ts_v1", "ts_v2", "ts_mla"):
+    disk_r, disk_w, hf = med(row["disk"], "read_cold_gbps"), med(row["disk"], "write_gbps"), row["hicache"]
+    print(f"\n{spec} pages ({row['page_bytes']} B; MLA {row['ts_mla']['page_bytes']} B), batch {BATCH}: GB/s median [p90 p99]")
+    for name in ("disk", "hicache", "ts_v1", "ts_v2", "ts_mla", "ts_v1_nocks"):
         r = row[name]
-        line = "  ".join(f"{k[:-5]:>10} {med(r, k):6.2f} [{r[k]['p90']:.2f} {r[k]['p99']:.2f}]" for k in ("write_gbps", "read_cold_gbps", "read_warm_gbps"))
+        line = "  ".join(f"{k[:-5]:>10} {med(r, k):6.2f} [{r[k]['p90']:.2f} {r[k]['p99']:.2f}]" for k in ("write_gbps", "read_cold_gbps", "read_warm_gbps") if k in r)
         print(f"  {name:<8} {line}")
     v1 = row["ts_v1"]
     print(f"  ts_v1 / disk: write {med(v1, 'write_gbps') / disk_w:.2f}, cold read {med(v1, 'read_cold_gbps') / disk_r:.2f};"
           f"  ts_v1 / hicache: write {med(v1, 'write_gbps') / med(hf, 'write_gbps'):.2f}, cold read "
           f"{med(v1, 'read_cold_gbps') / med(hf, 'read_cold_gbps'):.2f}, warm read {med(v1, 'read_warm_gbps') / med(hf, 'read_warm_gbps'):.2f}")
+    print(f"  diagnostic: ts_v1 write without the checksum pass / disk: {med(row['ts_v1_nocks'], 'write_gbps') / disk_w:.2f}")
 
 
 def print_probe(p: dict[str, Any]) -> None:
@@ -316,9 +402,11 @@ def print_probe(p: dict[str, Any]) -> None:
     print(f"\nprobe of {BATCH} keys, ms median [p90 p99], ratio to one MGET of the same keys")
     for k in ("mget_128", "probe_all_hit", "probe_first_missing", "probe_last_missing"):
         print(f"  {k:<20} {med(p, k):.3f} [{p[k]['p90']:.3f} {p[k]['p99']:.3f}]  {med(p, k) / mget:.2f}x")
-    print(f"4 KiB pages, us per page median [p90 p99]: set {med(p, 'us_per_page_set_4k'):.1f} "
-          f"[{p['us_per_page_set_4k']['p90']:.1f} {p['us_per_page_set_4k']['p99']:.1f}], "
-          f"get {med(p, 'us_per_page_get_4k'):.1f} [{p['us_per_page_get_4k']['p90']:.1f} {p['us_per_page_get_4k']['p99']:.1f}]")
+    print(f"4 KiB pages, us per page median [p90 p99]; python = total - time waiting on Redis - one "
+          f"preadv ({p['syscall_us_per_page_4k']:.1f} us)")
+    for op in ("set", "get"):
+        t, py = p[f"us_per_page_{op}_4k"], p[f"python_us_per_page_{op}_4k"]
+        print(f"  batch_{op}_v1  total {t['median']:5.1f} [{t['p90']:.1f} {t['p99']:.1f}]   python {py['median']:5.1f} [{py['p90']:.1f} {py['p99']:.1f}]")
 
 
 if __name__ == "__main__":
