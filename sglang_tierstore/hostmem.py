@@ -54,7 +54,7 @@ class PagePlan:
     even stride, which holds for every SGLang host layout.
     """
 
-    __slots__ = ("page_size", "page_bytes", "page_shape", "num_pages", "aligned", "_mem", "_stride", "_regions")
+    __slots__ = ("page_size", "page_bytes", "page_shape", "num_pages", "aligned", "_mem", "_stride", "_regions", "_spans")
 
     def __init__(self, page_view: Callable[[int], torch.Tensor], page_size: int, num_pages: int) -> None:
         first = page_view(0)
@@ -72,6 +72,7 @@ class PagePlan:
                 raise ValueError("host pool pages are not evenly strided in one buffer")
         if self._stride < 0 or self._regions[-1][0] + self._regions[-1][1] + last * self._stride > len(self._mem):
             raise ValueError("host pool page views exceed their buffer")
+        self._spans = [(o, o + n) for o, n in self._regions]
         self.aligned = (
             base % ALIGN == 0
             and self._stride % ALIGN == 0
@@ -89,7 +90,7 @@ class PagePlan:
             raise IndexError(f"host index {token_index} is not a page start in this pool")
         start = token_index // self.page_size * self._stride
         mem = self._mem
-        return [mem[start + o : start + o + n] for o, n in self._regions]
+        return [mem[start + a : start + b] for a, b in self._spans]
 
     def regions_many(self, token_indices: Sequence[int]) -> list[list[memoryview]]:
         return [self.regions(i) for i in token_indices]

@@ -50,9 +50,14 @@ class Entry(NamedTuple):
     raw: bytes
 
 
-def parse_entry(raw: bytes) -> Entry:
+def entry_fields(raw: bytes) -> tuple[int, int, int, int]:
+    """(slot size, slot, generation, checksum) of a stored value: the read path's parse."""
     c, s, g, k = raw.split(b":")
-    return Entry(int(c), int(s), int(g), int(k), raw)
+    return int(c), int(s), int(g), int(k)
+
+
+def parse_entry(raw: bytes) -> Entry:
+    return Entry(*entry_fields(raw), raw)
 
 
 def format_entry(slot_size: int, slot: int, gen: int, cks: int) -> bytes:

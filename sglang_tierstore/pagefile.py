@@ -131,14 +131,14 @@ class PageFiles:
             return fd, dfd
 
     def write_slot(
-        self, cls: SlotClass, slot: int, header: bytes, data: Sequence[memoryview], aligned: bool
+        self, cls: SlotClass, slot: int, header: bytes, data: Sequence[memoryview], nbytes: int, aligned: bool
     ) -> None:
-        """Write header + page bytes into a slot with one pwritev."""
+        """Write header + page bytes (``nbytes`` in ``data``) into a slot with one pwritev."""
         file_no, off = self.locate(cls, slot)
         fd, dfd = self._open(cls, file_no)
         hdr = self._hdr.view
         hdr[: len(header)] = header
-        length = HEADER_BYTES + sum(len(r) for r in data)
+        length = HEADER_BYTES + nbytes
         use_fd = dfd if aligned and dfd >= 0 else fd
         try:
             n = _pwritev_all(use_fd, [hdr, *data], off, length)
@@ -149,13 +149,13 @@ class PageFiles:
         if n != length:
             raise PageIOError(errno.EIO, f"short write of slot {slot}")
 
-    def read_slot(self, cls: SlotClass, slot: int, data: Sequence[memoryview], aligned: bool) -> memoryview:
-        """Read a slot's page bytes into ``data`` with one preadv; return its header
-        (a view of this thread's header buffer, valid until its next read)."""
+    def read_slot(self, cls: SlotClass, slot: int, data: Sequence[memoryview], nbytes: int, aligned: bool) -> memoryview:
+        """Read a slot's page bytes (``nbytes`` into ``data``) with one preadv; return its
+        header (a view of this thread's header buffer, valid until its next read)."""
         file_no, off = self.locate(cls, slot)
         fd, dfd = self._open(cls, file_no)
         hdr = self._hdr.view
-        length = HEADER_BYTES + sum(len(r) for r in data)
+        length = HEADER_BYTES + nbytes
         use_fd = dfd if aligned and dfd >= 0 else fd
         try:
             n = os.preadv(use_fd, [hdr, *data], off)

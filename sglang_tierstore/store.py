@@ -28,7 +28,7 @@ import xxhash
 
 from sglang_tierstore.config import TierStoreConfig
 from sglang_tierstore.errors import PageIOError, TierStoreError
-from sglang_tierstore.index import EXISTS, FULL, Entry, RedisIndex, format_entry, parse_entry
+from sglang_tierstore.index import EXISTS, FULL, Entry, RedisIndex, entry_fields, format_entry, parse_entry
 from sglang_tierstore.io_engine import IOEngine
 from sglang_tierstore.metrics import Metrics, RateLimitedLog
 from sglang_tierstore.pagefile import (
@@ -128,14 +128,16 @@ class TierStore:
         lead = next((i for i, v in enumerate(raws) if v is None), len(raws))
         jobs = [(ekeys[i], raws[i], dests[i]) for i in range(lead)]
 
+        cls, nbytes = ns.cls, ns.page_bytes
+
         def read_one(job: tuple[str, Optional[bytes], Regions]) -> bool:
             ekey, raw, regions = job
             assert raw is not None
-            e = parse_entry(raw)
-            if e.slot_size != ns.cls.slot_size:
+            slot_size, slot, gen, cks = entry_fields(raw)
+            if slot_size != cls.slot_size:
                 return False
-            header = self.files.read_slot(ns.cls, e.slot, regions, aligned)
-            return header == pack_header(key_digest(ekey.encode()), e.gen, ns.page_bytes, e.cks) and checksum(regions) == e.cks
+            header = self.files.read_slot(cls, slot, regions, nbytes, aligned)
+            return header == pack_header(key_digest(ekey.encode()), gen, nbytes, cks) and checksum(regions) == cks
 
         outcomes = self.io.map(read_one, jobs, ns.page_bytes)
         results = [False] * len(keys)
@@ -190,7 +192,7 @@ class TierStore:
             i, slot, gen = job
             cks = checksum(srcs[i])
             header = pack_header(key_digest(ekeys[i].encode()), gen, ns.page_bytes, cks)
-            self.files.write_slot(cls, slot, header, srcs[i], aligned)
+            self.files.write_slot(cls, slot, header, srcs[i], ns.page_bytes, aligned)
             return cks
 
         outcomes = self.io.map(write_one, jobs, ns.page_bytes)
@@ -262,14 +264,14 @@ class TierStore:
 
     def _verify_slot(self, cls: SlotClass, ekey: str, e: Entry) -> Optional[str]:
         try:
-            hdr = parse_header(self.files.read_slot(cls, e.slot, [], False))
+            hdr = parse_header(self.files.read_slot(cls, e.slot, [], 0, False))
             if hdr is None:
                 return "slot has no header"
             digest, gen, length, cks = hdr
             if (digest, gen, cks) != (key_digest(ekey.encode()), e.gen, e.cks) or length > cls.slot_size - HEADER_BYTES:
                 return "slot header names another page"
             data = bytearray(length)
-            self.files.read_slot(cls, e.slot, [memoryview(data)], False)
+            self.files.read_slot(cls, e.slot, [memoryview(data)], length, False)
             return None if checksum([memoryview(data)]) == cks else "checksum mismatch"
         except PageIOError as err:
             return f"unreadable: {err}"
@@ -288,8 +290,8 @@ class TierStore:
         if len(keys) != len(bufs):
             raise ValueError(f"{len(keys)} keys but {len(bufs)} page buffers")
         for k, regions in zip(keys, bufs):
-            n = sum(len(r) for r in regions)
-            if n != ns.page_bytes:
+            if sum(map(len, regions)) != ns.page_bytes:
+                n = sum(map(len, regions))
                 raise ValueError(f"page buffer for key {k!r} has {n} bytes, namespace pages have {ns.page_bytes}")
 
     def _page_error(self, kind: str, e: BaseException) -> None:

@@ -110,7 +110,7 @@ def test_uncommitted_write_is_invisible_and_its_slot_reclaimed(extra: dict[str, 
         ekey = be.store.index.entry_key(ns.ns, ks[0])
         # the writer "crashes" after reserving and writing, before FINISH
         gen, _, slots = be.store.index.reserve(ns.cls, [ekey], 0.2, be.cfg.capacity_bytes)
-        be.store.files.write_slot(ns.cls, slots[0], b"x" * 64, be._pool("kv").plan.regions(0), False)
+        be.store.files.write_slot(ns.cls, slots[0], b"x" * 64, be._pool("kv").plan.regions(0), ns.page_bytes, False)
         assert be.batch_exists(ks) == 0
         assert be.batch_get_v1(ks[:1], page_indices([5], 4)) == [False]
         assert be.store.index.usage(ns.cls)["pending"] == 1
