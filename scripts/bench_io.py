@@ -109,16 +109,15 @@ def start_redis(workdir: str) -> tuple[subprocess.Popen[bytes], str]:
 Round = tuple[float, float, float]
 
 
-def disk_rounds(path: str, page: int, threads: int) -> Iterator[Round]:
-    """O_DIRECT pwritev/preadv of BATCH pages of `page` bytes, each from its own place in one
-    torch-allocated buffer (the memory a host pool has), with `threads` threads each taking
+def disk_rounds(path: str, page: int, threads: int, pool: Any) -> Iterator[Round]:
+    """O_DIRECT pwritev/preadv of BATCH pages of `page` bytes straight from/into the host
+    pool's own buffer (the very memory tierstore moves), with `threads` threads each taking
     a contiguous run of pages, as tierstore's I/O engine cuts a batch."""
     f = os.path.join(path, "odirect.bin")
     fd = os.open(f, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o644)
     os.posix_fallocate(fd, 0, page * BATCH)
-    mem = torch.randint(0, 256, (page * BATCH + ALIGN,), dtype=torch.uint8)
-    start = -mem.data_ptr() % ALIGN
-    whole = memoryview(mem.numpy())[start : start + page * BATCH]  # type: ignore[arg-type]
+    whole = memoryview(pool.kv_buffer.view(-1).view(torch.uint8).numpy())
+    assert pool.kv_buffer.data_ptr() % ALIGN == 0 and len(whole) >= 2 * page * BATCH
     bufs = [whole[i * page : (i + 1) * page] for i in range(BATCH)]
     pool = ThreadPoolExecutor(threads)
 
@@ -353,7 +352,7 @@ def main() -> int:
                 raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
             info: dict[str, dict[str, Any]] = {"ts_v1": {}, "ts_v2": {}, "ts_mla": {}}
             samples = interleave({
-                "disk": disk_rounds(work, size, a.threads),
+                "disk": disk_rounds(work, size, a.threads, mha),
                 "hicache": hicache_rounds(work, mha),
                 "ts_v1": tierstore_rounds(work, url, mha, a.threads, False, False, info["ts_v1"]),
                 "ts_v2": tierstore_rounds(work, url, mha, a.threads, True, False, info["ts_v2"]),
