@@ -32,7 +32,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from sglang_tierstore.config import TierStoreConfig
 from sglang_tierstore.embedded import ensure_embedded_redis
-from sglang_tierstore.errors import IndexUnavailable
+from sglang_tierstore.errors import IndexUnavailable, TierStoreError
 from sglang_tierstore.eviction import Housekeeper
 from sglang_tierstore.hostmem import PagePlan, tensor_bytes
 from sglang_tierstore.store import Namespace, TierStore
@@ -91,16 +91,16 @@ def _leading(flags: List[bool]) -> int:
     return next((i for i, f in enumerate(flags) if not f), len(flags))
 
 
-class TierStoreBackend(HiCacheStorage):
+class TierStoreBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no type information
     """SGLang HiCache L3 backend: Redis index + preallocated NVMe slot files."""
 
-    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None) -> None:
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict[str, Any]] = None) -> None:
         self.cfg = TierStoreConfig.from_dict(storage_config.extra_config)
         self.storage_config = storage_config
         embedded = self.cfg.redis_url is None
         url = self.cfg.redis_url or ensure_embedded_redis(self.cfg.path[0], self.cfg.redis_server)
         self.store = TierStore(self.cfg, url)
-        on_down = (lambda: ensure_embedded_redis(self.cfg.path[0], self.cfg.redis_server)) if embedded else None
+        on_down = self._restart_embedded_redis if embedded else None
         self.housekeeper = Housekeeper(self.store, on_index_down=on_down)
         self.housekeeper.start()
         self._pools: dict[str, _Pool] = {}
@@ -108,6 +108,14 @@ class TierStoreBackend(HiCacheStorage):
         self._io_stats: dict[str, list[float]] = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [], "backup_bandwidth": []}
         self._closed = False
         logger.info("tierstore: index %s, page files under %s, capacity %.1f GiB", "embedded " + url if embedded else url, ", ".join(self.cfg.path), self.cfg.capacity_gb)
+
+    def _restart_embedded_redis(self) -> None:
+        """Housekeeping found the index down: start the embedded Redis again if it died."""
+        try:
+            ensure_embedded_redis(self.cfg.path[0], self.cfg.redis_server)
+        except TierStoreError as e:
+            self.store.metrics.error("embedded_redis")
+            self.store.log.warning("embedded", "cannot restart the embedded Redis: %s", e)
 
     # -- registration -----------------------------------------------------------
 
@@ -273,7 +281,7 @@ class TierStoreBackend(HiCacheStorage):
         groups = 0
         while (groups + 1) * t.group_pages <= len(present) and all(present[groups * t.group_pages : (groups + 1) * t.group_pages]):
             groups += 1
-        return groups * t.block_pages
+        return int(groups * t.block_pages)
 
     @_guarded(_no_pool_results)
     def batch_get_v2(self, transfers: List[PoolTransfer], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict[str, List[bool]]:
@@ -337,7 +345,7 @@ class TierStoreBackend(HiCacheStorage):
 
         with self._lock:
             stats, self._io_stats = self._io_stats, {k: [] for k in self._io_stats}
-        return StorageMetrics(**stats)  # type: ignore[arg-type]
+        return StorageMetrics(**stats)
 
     def check(self, fix: bool = False) -> list[str]:
         """Compare the index with the page files (see TierStore.check)."""

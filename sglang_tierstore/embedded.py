@@ -32,7 +32,7 @@ def socket_path(path: str) -> str:
     sock = os.path.join(redis_dir(path), "redis.sock")
     if len(sock) < _SUN_PATH_MAX:
         return sock
-    return f"/tmp/tierstore-{xxhash.xxh3_64_hexdigest(os.path.abspath(path))}.sock"
+    return f"/tmp/tierstore-{xxhash.xxh3_64_hexdigest(os.path.abspath(path).encode())}.sock"
 
 
 def pid_file(path: str) -> str:

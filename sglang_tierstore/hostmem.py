@@ -42,7 +42,7 @@ def _storage_bytes(t: torch.Tensor) -> tuple[int, memoryview]:
     st = t.untyped_storage()
     if st.device.type != "cpu":
         raise ValueError("host pool storage is not in CPU memory")
-    whole = torch.empty(0, dtype=torch.uint8).set_(st)  # type: ignore[call-overload]
+    whole = torch.empty(0, dtype=torch.uint8).set_(st)
     return st.data_ptr(), memoryview(whole.numpy())  # type: ignore[arg-type]
 
 

@@ -41,13 +41,12 @@ _GEOMETRY_MISMATCH = -3
 
 
 class Entry(NamedTuple):
-    """A committed page as the index holds it; ``raw`` is the stored value."""
+    """A committed page as the index holds it."""
 
     slot_size: int
     slot: int
     gen: int
     cks: int
-    raw: bytes
 
 
 def entry_fields(raw: bytes) -> tuple[int, int, int, int]:
@@ -57,7 +56,7 @@ def entry_fields(raw: bytes) -> tuple[int, int, int, int]:
 
 
 def parse_entry(raw: bytes) -> Entry:
-    return Entry(*entry_fields(raw), raw)
+    return Entry(*entry_fields(raw))
 
 
 def format_entry(slot_size: int, slot: int, gen: int, cks: int) -> bytes:
@@ -358,7 +357,7 @@ return {reclaimed, evicted, #released}
     def touch(self, cls_name: str, entry_keys: Iterable[str]) -> None:
         """Refresh recency of committed pages (ZADD XX: evicted ones stay evicted)."""
         now = self._clock()
-        mapping = dict.fromkeys(entry_keys, now)
+        mapping: dict[str | bytes, float] = dict.fromkeys(entry_keys, now)
         if mapping:
             self._call(lambda: self._r.zadd(f"{self.prefix}:lru:{cls_name}", mapping, xx=True))
 
@@ -406,9 +405,6 @@ return {reclaimed, evicted, #released}
 
     def lru_members(self, cls: SlotClass) -> list[bytes]:
         return self._call(lambda: self._r.zrange(self._class_keys(cls)[3], 0, -1))
-
-    def ping(self) -> bool:
-        return bool(self._call(self._r.ping))
 
     def close(self) -> None:
         self._r.close()

@@ -167,7 +167,7 @@ class PageFiles:
 
     def files(self) -> list[str]:
         """Every page file on disk, for checks and tests."""
-        out = []
+        out: list[str] = []
         for d in self.paths:
             for root, _, names in os.walk(d):
                 out.extend(os.path.join(root, n) for n in names if n.endswith(".slots"))
@@ -191,6 +191,6 @@ def _pwritev_all(fd: int, bufs: list[memoryview], off: int, length: int) -> int:
     return n + os.pwrite(fd, rest, off + n)
 
 
-def parse_header(header: bytes) -> Optional[tuple[bytes, int, int, int]]:
+def parse_header(header: bytes | memoryview) -> Optional[tuple[bytes, int, int, int]]:
     magic, digest, gen, length, cks = _HEADER.unpack(header[: _HEADER.size])
     return None if magic != _MAGIC else (digest, gen, length, cks)

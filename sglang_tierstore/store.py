@@ -183,7 +183,7 @@ class TierStore:
             gen0, evicted, slots = self.index.reserve(cls, ekeys, self.cfg.lease_s, self.cfg.capacity_bytes)
         self.metrics.housekeeping("evicted", evicted)
         results = [s == EXISTS for s in slots]
-        jobs = []
+        jobs: list[tuple[int, int, int]] = []
         for i, s in enumerate(slots):
             if s >= 0:
                 jobs.append((i, s, gen0 + len(jobs)))
