@@ -98,8 +98,7 @@ def test_block_groups_policy_reports_its_own_verdict(extra: dict[str, Any]) -> N
         block_keys = keys(5, "block")
         be.batch_set_v1(ks, page_indices(range(8), 4))
         # groups of 2 keys, each covering 4 FULL pages; groups 0 and 1 complete, group 2 half
-        be.batch_set_v2([transfer(SWA, [0, 1, 2, 3, 4], block_keys)])
-        be.batch_set_v2([transfer(SWA, [0], keys(1, "x"))])
+        assert be.batch_set_v2([transfer(SWA, [0, 1, 2, 3, 4], block_keys)]) == {"swa": [True] * 5}
         t = transfer(SWA, [], block_keys, PoolHitPolicy.BLOCK_GROUPS, block_pages=4, group_pages=2)
         r = be.batch_exists_v2(ks, [t])
         assert r.kv_hit_pages == 8  # never gates the KV hit
