@@ -204,8 +204,10 @@ for i, k in ipairs(KEYS) do
   if v and (ARGV[i + 1] == '' or v == ARGV[i + 1]) then
     local cls, slot = string.match(v, '^(%d+):(%d+):')
     redis.call('DEL', k)
-    redis.call('ZREM', ARGV[1] .. ':lru:' .. cls, k)
-    redis.call('RPUSH', ARGV[1] .. ':free:' .. cls, slot)
+    if cls then  -- an unparsable value names no slot: the key just goes
+      redis.call('ZREM', ARGV[1] .. ':lru:' .. cls, k)
+      redis.call('RPUSH', ARGV[1] .. ':free:' .. cls, slot)
+    end
     n = n + 1
   end
 end

@@ -57,6 +57,14 @@ class Namespace:
     description: str
 
 
+def _fields(raw: Optional[bytes]) -> Optional[tuple[int, int, int, int]]:
+    """An index value's fields, or None if it does not parse (read as a corrupt page)."""
+    try:
+        return entry_fields(raw) if raw is not None else None
+    except ValueError:
+        return None
+
+
 def fingerprint(fields: Mapping[str, object]) -> tuple[str, str]:
     """(short id, readable description) of everything that makes pages compatible."""
     desc = ",".join(f"{k}={fields[k]}" for k in sorted(fields))
@@ -126,23 +134,25 @@ class TierStore:
         ekeys = [self.index.entry_key(ns.ns, k) for k in keys]
         raws = self.index.lookup(ekeys)
         lead = next((i for i, v in enumerate(raws) if v is None), len(raws))
-        jobs = [(ekeys[i], raws[i], dests[i]) for i in range(lead)]
+        # (key position, entry fields or None if unparsable), in slot order: each I/O
+        # thread then reads a run of ascending offsets, sequential where slots are adjacent
+        jobs = sorted(((i, _fields(raws[i])) for i in range(lead)), key=lambda j: j[1][1] if j[1] else -1)
 
         cls, nbytes = ns.cls, ns.page_bytes
 
-        def read_one(job: tuple[str, Optional[bytes], Regions]) -> bool:
-            ekey, raw, regions = job
-            assert raw is not None
-            slot_size, slot, gen, cks = entry_fields(raw)
-            if slot_size != cls.slot_size:
+        def read_one(job: tuple[int, Optional[tuple[int, int, int, int]]]) -> bool:
+            i, fields = job
+            if fields is None or fields[0] != cls.slot_size:
                 return False
+            _, slot, gen, cks = fields
+            regions = dests[i]
             header = self.files.read_slot(cls, slot, regions, nbytes, aligned)
-            return header == pack_header(key_digest(ekey.encode()), gen, nbytes, cks) and checksum(regions) == cks
+            return header == pack_header(key_digest(ekeys[i].encode()), gen, nbytes, cks) and checksum(regions) == cks
 
         outcomes = self.io.map(read_one, jobs, ns.page_bytes)
         results = [False] * len(keys)
         bad: list[tuple[str, bytes]] = []
-        for i, o in enumerate(outcomes):
+        for (i, _), o in zip(jobs, outcomes):
             if o is True:
                 results[i] = True
                 continue
@@ -187,6 +197,7 @@ class TierStore:
         for i, s in enumerate(slots):
             if s >= 0:
                 jobs.append((i, s, gen0 + len(jobs)))
+        jobs.sort(key=lambda j: j[1])  # ascending offsets per I/O thread, as in read()
 
         def write_one(job: tuple[int, int, int]) -> int:
             i, slot, gen = job

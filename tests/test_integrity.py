@@ -100,6 +100,22 @@ def test_flipped_bytes_are_misses_and_drop_the_entry(extra: dict[str, Any]) -> N
         assert be.batch_set_v1(ks[1:2], page_indices([1], 4)) == [True]
 
 
+def test_unparsable_index_value_is_a_miss_and_is_dropped(extra: dict[str, Any]) -> None:
+    pool = mha_pool("page_first")
+    fill(pool, 6)
+    ks = keys(3)
+    with TierStoreBackend(storage_config(extra), {}) as be:
+        be.register_mem_pool_host(pool)
+        assert be.batch_set_v1(ks, page_indices(range(3), 4)) == [True] * 3
+        ekey = be.store.index.entry_key(be._pool("kv").ns.ns, ks[1])
+        redis.Redis.from_url(extra["redis_url"]).set(ekey, b"not:an:entry")
+        assert be.batch_get_v1(ks[:2], page_indices([10, 11], 4)) == [True, False]
+        assert page_bytes(pool, 10) == page_bytes(pool, 0)
+        assert be.store.stats()["error_corrupt"] == 1
+        assert be.batch_exists(ks) == 1
+        assert be.batch_exists(ks[2:]) == 1
+
+
 def test_uncommitted_write_is_invisible_and_its_slot_reclaimed(extra: dict[str, Any]) -> None:
     pool = mha_pool("page_first")
     fill(pool, 4)

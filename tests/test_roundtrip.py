@@ -133,3 +133,31 @@ def test_clear_drops_only_this_backends_pages(extra: dict[str, Any]) -> None:
         assert b.batch_exists(keys(3)) == 3
         assert a.batch_set_v1(keys(3), page_indices([0, 1, 2], 4)) == [True] * 3
         assert a.check() == []
+
+
+def test_batches_on_reused_slots_in_any_order(extra: dict[str, Any]) -> None:
+    """A batch's I/O runs in slot order over several threads; each page still lands
+    at its own key and host page when the free list hands slots back reversed."""
+    src = mha_pool("page_first_direct", page_size=64, layers=4, heads=8, head_dim=64, tokens=64 * 48)
+    fill(src, 4)
+    first, second = keys(16, "first"), keys(16, "second")
+    with TierStoreBackend(storage_config({**extra, "io_threads": 4}), {}) as be:
+        be.register_mem_pool_host(src)
+        ns = be._pool("kv").ns
+        idx = be.store.index
+        assert be.batch_set_v1(first, page_indices(range(16), 64)) == [True] * 16
+        slots = [parse_slot(idx.lookup([idx.entry_key(ns.ns, k)])[0]) for k in first]
+        assert idx.drop([(idx.entry_key(ns.ns, k), b"") for k in reversed(first)]) == 16
+        assert be.batch_set_v1(second, page_indices(range(16, 32), 64)) == [True] * 16
+        reused = [parse_slot(idx.lookup([idx.entry_key(ns.ns, k)])[0]) for k in second]
+        assert reused == slots[::-1]  # key order is the reverse of slot order
+        assert be.batch_get_v1(second, page_indices(range(32, 48), 64)) == [True] * 16
+        for s, d in zip(range(16, 32), range(32, 48)):
+            assert page_bytes(src, d) == page_bytes(src, s)
+        assert be.batch_exists(first) == 0
+        assert be.check() == []
+
+
+def parse_slot(raw: Any) -> int:
+    assert raw is not None
+    return int(raw.split(b":")[1])
