@@ -8,8 +8,10 @@ A slot class is one slot size; its slots are numbered 0.. and live in files of
 
 A slot is a 4 KiB header block followed by the page bytes, padded to 4 KiB so
 every slot starts O_DIRECT-aligned. The header names what was written there
-(key digest, generation, length, checksum of the bytes): a reader compares it
-with what the index promised, so stale, torn or rotten slots read as misses.
+(key digest, generation, length) and the index entry holds the checksum of the
+bytes: a reader compares both with what it got, so stale, torn or rotten slots
+read as misses. The checksum is not in the header so that a write need not wait
+for it: the bytes go to disk while the caller hashes them.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ from sglang_tierstore.errors import PageIOError
 from sglang_tierstore.hostmem import ALIGN
 
 HEADER_BYTES = ALIGN
-_MAGIC = b"TSPAGE01"
-_HEADER = struct.Struct("<8s16sQQQ")  # magic, key digest, generation, length, checksum
+_MAGIC = b"TSPAGE02"
+_HEADER = struct.Struct("<8s16sQQ")  # magic, key digest, generation, length
 
 
 def round_up(n: int, to: int = ALIGN) -> int:
@@ -51,8 +53,8 @@ def checksum(regions: Sequence[memoryview]) -> int:
     return h.intdigest()
 
 
-def pack_header(digest: bytes, gen: int, length: int, cks: int) -> bytes:
-    return _HEADER.pack(_MAGIC, digest, gen, length, cks)
+def pack_header(digest: bytes, gen: int, length: int) -> bytes:
+    return _HEADER.pack(_MAGIC, digest, gen, length)
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +193,6 @@ def _pwritev_all(fd: int, bufs: list[memoryview], off: int, length: int) -> int:
     return n + os.pwrite(fd, rest, off + n)
 
 
-def parse_header(header: bytes | memoryview) -> Optional[tuple[bytes, int, int, int]]:
-    magic, digest, gen, length, cks = _HEADER.unpack(header[: _HEADER.size])
-    return None if magic != _MAGIC else (digest, gen, length, cks)
+def parse_header(header: bytes | memoryview) -> Optional[tuple[bytes, int, int]]:
+    magic, digest, gen, length = _HEADER.unpack(header[: _HEADER.size])
+    return None if magic != _MAGIC else (digest, gen, length)

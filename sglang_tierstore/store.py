@@ -5,12 +5,14 @@ Owns namespaces, the write protocol and verification; knows nothing of SGLang.
 - probe: one MGET of entry keys.
 - read: one MGET, then a parallel preadv of header + page straight into the
   caller's buffers; a page is a hit only if its header names this key and
-  generation and its bytes hash to the committed checksum. Anything else is a
-  miss and the entry is dropped (conditionally: only if it still holds what was
-  read). Only the leading run of present keys is read, as SGLang uses no more.
-- write: RESERVE (slots pending, never evicted) -> parallel checksum + pwritev ->
-  FINISH (commit, or free / quarantine the slot). A crash before FINISH leaves
-  only a pending slot, reclaimed when its lease expires; nothing is visible.
+  generation and its bytes hash to the committed checksum (hashed by the caller's
+  thread as pages arrive). Anything else is a miss and the entry is dropped
+  (conditionally: only if it still holds what was read). Only the leading run of
+  present keys is read, as SGLang uses no more.
+- write: RESERVE (slots pending, never evicted) -> parallel pwritev, the caller's
+  thread hashing the pages meanwhile -> FINISH (commit with the checksums, or free /
+  quarantine the slot). A crash before FINISH leaves only a pending slot,
+  reclaimed when its lease expires; nothing is visible.
 
 Index trouble raises :class:`IndexUnavailable`; per-page I/O trouble is a miss
 or a failed write, counted and logged here.
@@ -141,19 +143,19 @@ class TierStore:
         cls, nbytes = ns.cls, ns.page_bytes
 
         def read_one(job: tuple[int, Optional[tuple[int, int, int, int]]]) -> bool:
+            """Read a page; True if its header names this key and generation."""
             i, fields = job
             if fields is None or fields[0] != cls.slot_size:
                 return False
-            _, slot, gen, cks = fields
-            regions = dests[i]
-            header = self.files.read_slot(cls, slot, regions, nbytes, aligned)
-            return header == pack_header(key_digest(ekeys[i].encode()), gen, nbytes, cks) and checksum(regions) == cks
+            _, slot, gen, _ = fields
+            header = self.files.read_slot(cls, slot, dests[i], nbytes, aligned)
+            return header == pack_header(key_digest(ekeys[i].encode()), gen, nbytes)
 
-        outcomes = self.io.map(read_one, jobs, ns.page_bytes)
         results = [False] * len(keys)
         bad: list[tuple[str, bytes]] = []
-        for (i, _), o in zip(jobs, outcomes):
-            if o is True:
+        for k, o in self.io.submit(read_one, jobs, nbytes).as_completed():
+            i, fields = jobs[k]
+            if o is True and fields is not None and checksum(dests[i]) == fields[3]:
                 results[i] = True
                 continue
             raw = raws[i]
@@ -199,21 +201,20 @@ class TierStore:
                 jobs.append((i, s, gen0 + len(jobs)))
         jobs.sort(key=lambda j: j[1])  # ascending offsets per I/O thread, as in read()
 
-        def write_one(job: tuple[int, int, int]) -> int:
+        def write_one(job: tuple[int, int, int]) -> None:
             i, slot, gen = job
-            cks = checksum(srcs[i])
-            header = pack_header(key_digest(ekeys[i].encode()), gen, ns.page_bytes, cks)
+            header = pack_header(key_digest(ekeys[i].encode()), gen, ns.page_bytes)
             self.files.write_slot(cls, slot, header, srcs[i], ns.page_bytes, aligned)
-            return cks
 
-        outcomes = self.io.map(write_one, jobs, ns.page_bytes)
+        batch = self.io.submit(write_one, jobs, ns.page_bytes)
+        sums = [checksum(srcs[i]) for i, _, _ in jobs]  # while the pages are being written
         ops = []
-        for (i, slot, gen), o in zip(jobs, outcomes):
+        for (i, slot, gen), cks, o in zip(jobs, sums, batch.results()):
             if isinstance(o, BaseException):
                 self._page_error("io_write", o)
                 ops.append((ekeys[i], "q" if isinstance(o, PageIOError) else "f", slot, b""))
             else:
-                ops.append((ekeys[i], "c", slot, format_entry(cls.slot_size, slot, gen, o)))
+                ops.append((ekeys[i], "c", slot, format_entry(cls.slot_size, slot, gen, cks)))
         written = 0
         for (i, _, _), op, ok in zip(jobs, ops, self.index.finish(cls, gen0, ops)):
             results[i] = ok
@@ -278,12 +279,12 @@ class TierStore:
             hdr = parse_header(self.files.read_slot(cls, e.slot, [], 0, False))
             if hdr is None:
                 return "slot has no header"
-            digest, gen, length, cks = hdr
-            if (digest, gen, cks) != (key_digest(ekey.encode()), e.gen, e.cks) or length > cls.slot_size - HEADER_BYTES:
+            digest, gen, length = hdr
+            if (digest, gen) != (key_digest(ekey.encode()), e.gen) or length > cls.slot_size - HEADER_BYTES:
                 return "slot header names another page"
             data = bytearray(length)
             self.files.read_slot(cls, e.slot, [memoryview(data)], length, False)
-            return None if checksum([memoryview(data)]) == cks else "checksum mismatch"
+            return None if checksum([memoryview(data)]) == e.cks else "checksum mismatch"
         except PageIOError as err:
             return f"unreadable: {err}"
 
