@@ -181,6 +181,8 @@ def tierstore_rounds(path: str, redis_url: str, pool: Any, threads: int, v2: boo
     be.register_mem_pool_host(pool)
     be.register_mem_host_pool_v2(pool, PoolName.KV)
     info["o_direct_zero_copy"] = be._pool("kv").plan.aligned
+    redis_s = count_redis_time(be)
+    write_redis_ms: list[float] = []
     try:
         while True:
             keys = [uuid.uuid4().hex for _ in range(BATCH)]
@@ -192,7 +194,9 @@ def tierstore_rounds(path: str, redis_url: str, pool: Any, threads: int, v2: boo
                 get_ = lambda: be.batch_get_v1(keys, dst)  # noqa: E731
             out: list[Any] = []
             with mock.patch.object(ts_store, "checksum", ts_store.checksum if checksum else lambda regions: 0):
+                redis_s[0] = 0.0
                 w = timed(lambda: out.append(set_()))
+                write_redis_ms.append(1e3 * redis_s[0])
                 drop_cache(d)
                 cold = timed(lambda: out.append(get_()))
                 warm = timed(lambda: out.append(get_()))
@@ -200,6 +204,7 @@ def tierstore_rounds(path: str, redis_url: str, pool: Any, threads: int, v2: boo
             yield w, cold, warm
             be.clear()  # the next round overwrites these slots, as a full store reuses evicted ones
     finally:
+        info["write_redis_ms"] = stats(write_redis_ms) if write_redis_ms else None
         be.clear()
         be.close()
         shutil.rmtree(d, ignore_errors=True)
@@ -285,15 +290,15 @@ SYSCALL_US = {"get": 0.0, "set": 0.0}
 
 
 def measure_syscall(path: str) -> None:
-    """Cost of one preadv / pwritev of a 4 KiB header + 4 KiB page through the page cache
-    (what a 4 KiB-page get / set spends in the kernel; subtracted to get Python's share)."""
+    """Cost of one preadv / pwritev of a 4 KiB page (its K and V halves) through the page
+    cache: what a 4 KiB-page get / set spends in the kernel, subtracted to get Python's share."""
     f = os.path.join(path, "syscall.bin")
     fd = os.open(f, os.O_RDWR | os.O_CREAT, 0o644)
-    os.posix_fallocate(fd, 0, 8192 * BATCH)
-    bufs = [memoryview(bytearray(4096)), memoryview(bytearray(4096))]
+    os.posix_fallocate(fd, 0, 4096 * BATCH)
+    bufs = [memoryview(bytearray(2048)), memoryview(bytearray(2048))]
     n = BATCH * 50
     for op, fn in (("get", os.preadv), ("set", os.pwritev)):
-        SYSCALL_US[op] = 1e6 * timed(lambda: [fn(fd, bufs, (i % BATCH) * 8192) for i in range(n)]) / n
+        SYSCALL_US[op] = 1e6 * timed(lambda: [fn(fd, bufs, (i % BATCH) * 4096) for i in range(n)]) / n
     os.close(fd)
     os.remove(f)
 
@@ -388,7 +393,10 @@ def print_row(spec: str, row: dict[str, Any]) -> None:
     print(f"  ts_v1 / disk: write {med(v1, 'write_gbps') / disk_w:.2f}, cold read {med(v1, 'read_cold_gbps') / disk_r:.2f};"
           f"  ts_v1 / hicache: write {med(v1, 'write_gbps') / med(hf, 'write_gbps'):.2f}, cold read "
           f"{med(v1, 'read_cold_gbps') / med(hf, 'read_cold_gbps'):.2f}, warm read {med(v1, 'read_warm_gbps') / med(hf, 'read_warm_gbps'):.2f}")
-    nc = row["ts_v1_nocks"]
+    nc, rms = row["ts_v1_nocks"], v1["write_redis_ms"]["median"]
+    gb = row["page_bytes"] * BATCH / 1e9
+    print(f"  ts_v1 write batch: {1e3 * gb / med(v1, 'write_gbps'):.1f} ms, of which {rms:.1f} ms in its two Redis calls"
+          f" (RESERVE, FINISH); without them / disk: {gb / (gb / med(v1, 'write_gbps') - rms / 1e3) / disk_w:.2f}")
     print(f"  diagnostic: ts_v1 without hashing the bytes / disk: write {med(nc, 'write_gbps') / disk_w:.2f},"
           f" cold read {med(nc, 'read_cold_gbps') / disk_r:.2f}")
 

@@ -1,6 +1,6 @@
 """The Redis index: the only module that speaks Redis.
 
-Layout (``P`` = ``redis_prefix``, ``C`` = slot class, i.e. slot size in bytes)::
+Layout (``P`` = ``redis_prefix``, ``C`` = slot class, i.e. page size in bytes)::
 
     P:e:<ns>:<key>   string "C:slot:gen:checksum"   a committed page
     P:c:C            hash spf/next/files/pending   class geometry, growth, slots under lease
@@ -43,14 +43,14 @@ _GEOMETRY_MISMATCH = -3
 class Entry(NamedTuple):
     """A committed page as the index holds it."""
 
-    slot_size: int
+    page_bytes: int  # its slot class
     slot: int
     gen: int
     cks: int
 
 
 def entry_fields(raw: bytes) -> tuple[int, int, int, int]:
-    """(slot size, slot, generation, checksum) of a stored value: the read path's parse."""
+    """(slot class, slot, generation, checksum) of a stored value: the read path's parse."""
     c, s, g, k = raw.split(b":")
     return int(c), int(s), int(g), int(k)
 
@@ -59,8 +59,8 @@ def parse_entry(raw: bytes) -> Entry:
     return Entry(*entry_fields(raw))
 
 
-def format_entry(slot_size: int, slot: int, gen: int, cks: int) -> bytes:
-    return b"%d:%d:%d:%d" % (slot_size, slot, gen, cks)
+def format_entry(page_bytes: int, slot: int, gen: int, cks: int) -> bytes:
+    return b"%d:%d:%d:%d" % (page_bytes, slot, gen, cks)
 
 
 # Pops LRU victims until one still has an entry; returns its slot id or nil.
@@ -372,13 +372,13 @@ return {reclaimed, evicted, #released}
         return int(a), int(b), int(c)
 
     def classes(self) -> list[int]:
-        """Slot sizes of every class in this store."""
+        """Page sizes (class names) of every class in this store."""
         pat = f"{self.prefix}:c:*"
         names = self._call(lambda: list(self._r.scan_iter(match=pat, count=1000)))
         return sorted(int(n.rsplit(b":", 1)[1]) for n in names)
 
-    def slots_per_file(self, slot_size: int) -> Optional[int]:
-        v = self._call(lambda: self._r.hget(f"{self.prefix}:c:{slot_size}", "spf"))
+    def slots_per_file(self, cls: SlotClass) -> Optional[int]:
+        v = self._call(lambda: self._r.hget(self._class_keys(cls)[0], "spf"))
         return None if v is None else int(v)
 
     def namespace_keys(self, ns: str) -> list[str]:

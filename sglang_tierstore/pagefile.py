@@ -1,82 +1,63 @@
 """Page files: preallocated files of fixed-size slots. Knows offsets, not keys.
 
-A slot class is one slot size; its slots are numbered 0.. and live in files of
+A slot class holds the pages of one size. Its slots (the page size rounded up to
+4 KiB, so every slot starts O_DIRECT-aligned) are numbered 0.. and live in files of
 ``slots_per_file`` slots, file ``n`` in directory ``paths[n % len(paths)]``
 (striping over devices)::
 
-    <dir>/c<slot_size>/f<n>.slots      slot i at offset (i % slots_per_file) * slot_size
+    <dir>/c<page_bytes>/f<n>.slots      slot i at offset (i % slots_per_file) * slot_size
 
-A slot is a 4 KiB header block followed by the page bytes, padded to 4 KiB so
-every slot starts O_DIRECT-aligned. The header names what was written there
-(key digest, generation, length) and the index entry holds the checksum of the
-bytes: a reader compares both with what it got, so stale, torn or rotten slots
-read as misses. The checksum is not in the header so that a write need not wait
-for it: the bytes go to disk while the caller hashes them.
+A slot holds the page's bytes and nothing else, so a page moves in one contiguous,
+aligned I/O of its own size. The index vouches for what a slot holds: its entry
+carries the xxh3 checksum of the bytes, so a slot that was reused, half written or
+rotted since reads as a miss. (A slot that now holds other bytes identical to the
+page's would pass: then the bytes returned are the page's, which is all a read
+promises.)
 """
 
 from __future__ import annotations
 
 import errno
-import mmap
 import os
-import struct
 import threading
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Sequence
 
 import xxhash
 
 from sglang_tierstore.errors import PageIOError
 from sglang_tierstore.hostmem import ALIGN
 
-HEADER_BYTES = ALIGN
-_MAGIC = b"TSPAGE02"
-_HEADER = struct.Struct("<8s16sQQ")  # magic, key digest, generation, length
-
 
 def round_up(n: int, to: int = ALIGN) -> int:
     return (n + to - 1) // to * to
 
 
-def slot_size_for(page_bytes: int) -> int:
-    return HEADER_BYTES + round_up(page_bytes)
-
-
-def key_digest(entry_key: bytes) -> bytes:
-    return xxhash.xxh3_128_digest(entry_key)
-
-
 def checksum(regions: Sequence[memoryview]) -> int:
+    if len(regions) == 1:
+        return xxhash.xxh3_64_intdigest(regions[0])
     h = xxhash.xxh3_64()
     for r in regions:
         h.update(r)
     return h.intdigest()
 
 
-def pack_header(digest: bytes, gen: int, length: int) -> bytes:
-    return _HEADER.pack(_MAGIC, digest, gen, length)
-
-
 @dataclass(frozen=True, slots=True)
 class SlotClass:
-    slot_size: int
+    page_bytes: int
     slots_per_file: int
 
     @property
     def name(self) -> str:
-        return str(self.slot_size)
+        return str(self.page_bytes)
+
+    @property
+    def slot_size(self) -> int:
+        return round_up(self.page_bytes)
 
     @property
     def file_bytes(self) -> int:
         return self.slot_size * self.slots_per_file
-
-
-class _HeaderBuffers(threading.local):
-    """One page-aligned header block per thread (O_DIRECT needs aligned buffers)."""
-
-    def __init__(self) -> None:
-        self.block = mmap.mmap(-1, HEADER_BYTES)
-        self.view = memoryview(self.block)
 
 
 class PageFiles:
@@ -88,13 +69,12 @@ class PageFiles:
         self.fsync = fsync
         self._fds: dict[tuple[int, int], tuple[int, int]] = {}
         self._lock = threading.Lock()
-        self._hdr = _HeaderBuffers()
         for p in self.paths:
             os.makedirs(p, exist_ok=True)
 
     def file_path(self, cls: SlotClass, file_no: int) -> str:
         d = self.paths[file_no % len(self.paths)]
-        return os.path.join(d, f"c{cls.slot_size}", f"f{file_no:06d}.slots")
+        return os.path.join(d, f"c{cls.name}", f"f{file_no:06d}.slots")
 
     def locate(self, cls: SlotClass, slot: int) -> tuple[int, int]:
         """(file number, byte offset) of a slot."""
@@ -102,7 +82,7 @@ class PageFiles:
 
     def _open(self, cls: SlotClass, file_no: int) -> tuple[int, int]:
         """(buffered fd, O_DIRECT fd or -1), created and preallocated on first use."""
-        key = (cls.slot_size, file_no)
+        key = (cls.page_bytes, file_no)
         fds = self._fds.get(key)
         if fds is not None:
             return fds
@@ -132,40 +112,31 @@ class PageFiles:
             self._fds[key] = (fd, dfd)
             return fd, dfd
 
-    def write_slot(
-        self, cls: SlotClass, slot: int, header: bytes, data: Sequence[memoryview], nbytes: int, aligned: bool
-    ) -> None:
-        """Write header + page bytes (``nbytes`` in ``data``) into a slot with one pwritev."""
+    def write_slot(self, cls: SlotClass, slot: int, data: Sequence[memoryview], nbytes: int, aligned: bool) -> None:
+        """Write a page (``nbytes`` in ``data``) into a slot with one pwritev."""
         file_no, off = self.locate(cls, slot)
         fd, dfd = self._open(cls, file_no)
-        hdr = self._hdr.view
-        hdr[: len(header)] = header
-        length = HEADER_BYTES + nbytes
         use_fd = dfd if aligned and dfd >= 0 else fd
         try:
-            n = _pwritev_all(use_fd, [hdr, *data], off, length)
+            n = _pwritev_all(use_fd, data, off, nbytes)
             if self.fsync:
                 os.fdatasync(use_fd)
         except OSError as e:
             raise PageIOError(e.errno, f"write of slot {slot} in {self.file_path(cls, file_no)} failed: {e.strerror}") from e
-        if n != length:
+        if n != nbytes:
             raise PageIOError(errno.EIO, f"short write of slot {slot}")
 
-    def read_slot(self, cls: SlotClass, slot: int, data: Sequence[memoryview], nbytes: int, aligned: bool) -> memoryview:
-        """Read a slot's page bytes (``nbytes`` into ``data``) with one preadv; return its
-        header (a view of this thread's header buffer, valid until its next read)."""
+    def read_slot(self, cls: SlotClass, slot: int, data: Sequence[memoryview], nbytes: int, aligned: bool) -> None:
+        """Read a slot's page (``nbytes`` into ``data``) with one preadv."""
         file_no, off = self.locate(cls, slot)
         fd, dfd = self._open(cls, file_no)
-        hdr = self._hdr.view
-        length = HEADER_BYTES + nbytes
         use_fd = dfd if aligned and dfd >= 0 else fd
         try:
-            n = os.preadv(use_fd, [hdr, *data], off)
+            n = os.preadv(use_fd, data, off)
         except OSError as e:
             raise PageIOError(e.errno, f"read of slot {slot} in {self.file_path(cls, file_no)} failed: {e.strerror}") from e
-        if n != length:
-            raise PageIOError(errno.EIO, f"short read of slot {slot} ({n} of {length} bytes)")
-        return hdr[: _HEADER.size]
+        if n != nbytes:
+            raise PageIOError(errno.EIO, f"short read of slot {slot} ({n} of {nbytes} bytes)")
 
     def files(self) -> list[str]:
         """Every page file on disk, for checks and tests."""
@@ -184,15 +155,10 @@ class PageFiles:
             self._fds.clear()
 
 
-def _pwritev_all(fd: int, bufs: list[memoryview], off: int, length: int) -> int:
+def _pwritev_all(fd: int, bufs: Sequence[memoryview], off: int, length: int) -> int:
     """pwritev, finishing a partial write (signal, near-full disk) once with pwrite."""
     n = os.pwritev(fd, bufs, off)
     if n == length or n <= 0:
         return n
     rest = b"".join(bytes(b) for b in bufs)[n:]
     return n + os.pwrite(fd, rest, off + n)
-
-
-def parse_header(header: bytes | memoryview) -> Optional[tuple[bytes, int, int]]:
-    magic, digest, gen, length = _HEADER.unpack(header[: _HEADER.size])
-    return None if magic != _MAGIC else (digest, gen, length)

@@ -3,12 +3,11 @@
 Owns namespaces, the write protocol and verification; knows nothing of SGLang.
 
 - probe: one MGET of entry keys.
-- read: one MGET, then a parallel preadv of header + page straight into the
-  caller's buffers; a page is a hit only if its header names this key and
-  generation and its bytes hash to the committed checksum (hashed by the caller's
-  thread as pages arrive). Anything else is a miss and the entry is dropped
-  (conditionally: only if it still holds what was read). Only the leading run of
-  present keys is read, as SGLang uses no more.
+- read: one MGET, then a parallel preadv of each page straight into the caller's
+  buffers; a page is a hit only if its bytes hash to the committed checksum (hashed
+  by the caller's thread as pages arrive). Anything else is a miss and the entry is
+  dropped (conditionally: only if it still holds what was read). Only the leading
+  run of present keys is read, as SGLang uses no more.
 - write: RESERVE (slots pending, never evicted) -> parallel pwritev, the caller's
   thread hashing the pages meanwhile -> FINISH (commit with the checksums, or free /
   quarantine the slot). A crash before FINISH leaves only a pending slot,
@@ -33,16 +32,7 @@ from sglang_tierstore.errors import PageIOError, TierStoreError
 from sglang_tierstore.index import EXISTS, FULL, Entry, RedisIndex, entry_fields, format_entry, parse_entry
 from sglang_tierstore.io_engine import IOEngine
 from sglang_tierstore.metrics import Metrics, RateLimitedLog
-from sglang_tierstore.pagefile import (
-    HEADER_BYTES,
-    PageFiles,
-    SlotClass,
-    checksum,
-    key_digest,
-    pack_header,
-    parse_header,
-    slot_size_for,
-)
+from sglang_tierstore.pagefile import PageFiles, SlotClass, checksum
 
 logger = logging.getLogger(__name__)
 
@@ -93,22 +83,23 @@ class TierStore:
         if page_bytes <= 0:
             raise ValueError(f"page_bytes must be positive, got {page_bytes}")
         ns, desc = fingerprint({**fields, "page_bytes": page_bytes, "namespace": self.cfg.namespace})
-        return Namespace(ns, page_bytes, self._slot_class(slot_size_for(page_bytes)), desc)
+        return Namespace(ns, page_bytes, self._slot_class(page_bytes), desc)
 
-    def _slot_class(self, slot_size: int, refresh: bool = False) -> SlotClass:
-        """The class for a slot size; its file geometry is whatever Redis recorded first."""
+    def _slot_class(self, page_bytes: int, refresh: bool = False) -> SlotClass:
+        """The class for a page size; its file geometry is whatever Redis recorded first."""
         with self._lock:
-            cls = self._classes.get(slot_size)
+            cls = self._classes.get(page_bytes)
         if cls is not None and not refresh:
             return cls
-        spf = max(1, self.cfg.file_bytes // slot_size)
+        cls = SlotClass(page_bytes, 1)
+        spf = max(1, self.cfg.file_bytes // cls.slot_size)
         try:
-            spf = self.index.slots_per_file(slot_size) or spf
+            spf = self.index.slots_per_file(cls) or spf
         except TierStoreError:
             pass  # Redis down: RESERVE re-checks the geometry before any write
-        cls = SlotClass(slot_size, spf)
+        cls = SlotClass(page_bytes, spf)
         with self._lock:
-            self._classes[slot_size] = cls
+            self._classes[page_bytes] = cls
         return cls
 
     def known_classes(self) -> list[SlotClass]:
@@ -143,13 +134,12 @@ class TierStore:
         cls, nbytes = ns.cls, ns.page_bytes
 
         def read_one(job: tuple[int, Optional[tuple[int, int, int, int]]]) -> bool:
-            """Read a page; True if its header names this key and generation."""
+            """Read a page; False if the entry names no slot of this class."""
             i, fields = job
-            if fields is None or fields[0] != cls.slot_size:
+            if fields is None or fields[0] != cls.page_bytes:
                 return False
-            _, slot, gen, _ = fields
-            header = self.files.read_slot(cls, slot, dests[i], nbytes, aligned)
-            return header == pack_header(key_digest(ekeys[i].encode()), gen, nbytes)
+            self.files.read_slot(cls, fields[1], dests[i], nbytes, aligned)
+            return True
 
         results = [False] * len(keys)
         bad: list[tuple[str, bytes]] = []
@@ -191,7 +181,7 @@ class TierStore:
         except TierStoreError as e:
             if "slots_per_file" not in str(e):
                 raise
-            cls = self._slot_class(cls.slot_size, refresh=True)
+            cls = self._slot_class(cls.page_bytes, refresh=True)
             gen0, evicted, slots = self.index.reserve(cls, ekeys, self.cfg.lease_s, self.cfg.capacity_bytes)
         self.metrics.housekeeping("evicted", evicted)
         results = [s == EXISTS for s in slots]
@@ -202,9 +192,7 @@ class TierStore:
         jobs.sort(key=lambda j: j[1])  # ascending offsets per I/O thread, as in read()
 
         def write_one(job: tuple[int, int, int]) -> None:
-            i, slot, gen = job
-            header = pack_header(key_digest(ekeys[i].encode()), gen, ns.page_bytes)
-            self.files.write_slot(cls, slot, header, srcs[i], ns.page_bytes, aligned)
+            self.files.write_slot(cls, job[1], srcs[job[0]], ns.page_bytes, aligned)
 
         batch = self.io.submit(write_one, jobs, ns.page_bytes)
         sums = [checksum(srcs[i]) for i, _, _ in jobs]  # while the pages are being written
@@ -214,7 +202,7 @@ class TierStore:
                 self._page_error("io_write", o)
                 ops.append((ekeys[i], "q" if isinstance(o, PageIOError) else "f", slot, b""))
             else:
-                ops.append((ekeys[i], "c", slot, format_entry(cls.slot_size, slot, gen, cks)))
+                ops.append((ekeys[i], "c", slot, format_entry(cls.page_bytes, slot, gen, cks)))
         written = 0
         for (i, _, _), op, ok in zip(jobs, ops, self.index.finish(cls, gen0, ops)):
             results[i] = ok
@@ -256,17 +244,17 @@ class TierStore:
     def check(self, fix: bool = False) -> list[str]:
         """Compare index and page files; with ``fix``, drop what does not verify."""
         problems: list[str] = []
-        for slot_size in self.index.classes():
-            cls = self._slot_class(slot_size, refresh=True)
+        for page_bytes in self.index.classes():
+            cls = self._slot_class(page_bytes, refresh=True)
             u = self.index.usage(cls)
             accounted = u["free"] + u["pending"] + u["pages"] + u["quarantined"]
             if accounted != u["slots"]:
-                problems.append(f"class {slot_size}: {u['slots']} slots allocated but {accounted} accounted for")
+                problems.append(f"class {page_bytes}: {u['slots']} slots allocated but {accounted} accounted for")
             members = [m.decode() for m in self.index.lru_members(cls)]
             raws = self.index.lookup(members)
             bad = []
             for ekey, raw in zip(members, raws):
-                why = "no entry" if raw is None else self._verify_slot(cls, ekey, parse_entry(raw))
+                why = "no entry" if raw is None else self._verify_slot(cls, parse_entry(raw))
                 if why:
                     problems.append(f"{ekey}: {why}")
                     bad.append((ekey, raw or b""))
@@ -274,19 +262,15 @@ class TierStore:
                 self.index.drop(bad)
         return problems
 
-    def _verify_slot(self, cls: SlotClass, ekey: str, e: Entry) -> Optional[str]:
+    def _verify_slot(self, cls: SlotClass, e: Entry) -> Optional[str]:
+        if e.page_bytes != cls.page_bytes:
+            return f"entry names class {e.page_bytes}"
+        data = bytearray(cls.page_bytes)
         try:
-            hdr = parse_header(self.files.read_slot(cls, e.slot, [], 0, False))
-            if hdr is None:
-                return "slot has no header"
-            digest, gen, length = hdr
-            if (digest, gen) != (key_digest(ekey.encode()), e.gen) or length > cls.slot_size - HEADER_BYTES:
-                return "slot header names another page"
-            data = bytearray(length)
-            self.files.read_slot(cls, e.slot, [memoryview(data)], length, False)
-            return None if checksum([memoryview(data)]) == e.cks else "checksum mismatch"
+            self.files.read_slot(cls, e.slot, [memoryview(data)], cls.page_bytes, False)
         except PageIOError as err:
             return f"unreadable: {err}"
+        return None if checksum([memoryview(data)]) == e.cks else "checksum mismatch"
 
     def stats(self) -> dict[str, object]:
         out: dict[str, object] = dict(self.metrics.snapshot())

@@ -11,7 +11,7 @@ from pools import fill, keys, mha_pool, page_bytes, page_indices, storage_config
 from sglang_tierstore import TierStoreBackend
 
 MiB = 1 << 20
-# 64 KiB pages (16 tokens x 4 layers x 4 heads x 64 dims x K,V x bf16): 15 slots per 1 MiB file
+# 64 KiB pages (16 tokens x 4 layers x 4 heads x 64 dims x K,V x bf16): 16 slots per 1 MiB file
 POOL = dict(page_size=16, layers=4, heads=4, head_dim=64, tokens=256)
 
 
@@ -19,7 +19,10 @@ def cfg(extra: dict[str, Any], **kw: Any) -> dict[str, Any]:
     return {**extra, "capacity_gb": 4 * MiB / (1 << 30), "file_size_mb": 1, **kw}
 
 
-def write_rounds(be: TierStoreBackend, pool: Any, tag: str, pages: int, batch: int = 15) -> list[tuple[str, int, bool]]:
+BATCH = 15
+
+
+def write_rounds(be: TierStoreBackend, pool: Any, tag: str, pages: int, batch: int = BATCH) -> list[tuple[str, int, bool]]:
     """Write `pages` new keys in batches; return (key, host page, stored) in write order."""
     ks = keys(pages, tag)
     out = []
@@ -32,7 +35,9 @@ def write_rounds(be: TierStoreBackend, pool: Any, tag: str, pages: int, batch: i
 
 
 def assert_newest_readable(be: TierStoreBackend, pool: Any, written: list[tuple[str, int, bool]], n: int) -> None:
-    newest = [(k, h) for k, h, ok in written if ok][-n:]
+    """The newest ``n`` stored pages read back, less one batch: the pages of a batch share
+    one LRU time, so where eviction cuts into a batch depends on the keys' order."""
+    newest = [(k, h) for k, h, ok in written if ok][-(n - BATCH) :]
     for k, h in newest:
         assert be.batch_get_v1([k], page_indices([31], 16)) == [True], k
         assert page_bytes(pool, 31) == page_bytes(pool, h)

@@ -12,7 +12,6 @@ from pools import fill, keys, mha_pool, mla_pool, page_bytes, page_indices, stor
 
 from sglang_tierstore import TierStoreBackend
 from sglang_tierstore.index import RedisIndex, parse_entry
-from sglang_tierstore.pagefile import HEADER_BYTES
 
 
 def test_fingerprints_keep_incompatible_pages_apart(extra: dict[str, Any]) -> None:
@@ -82,9 +81,9 @@ def test_flipped_bytes_are_misses_and_drop_the_entry(extra: dict[str, Any]) -> N
         be.register_mem_pool_host(pool)
         assert be.batch_set_v1(ks, page_indices(range(4), 4)) == [True] * 4
         path, off, n = _slot_offset(be, ks[1])
-        _flip(path, off + HEADER_BYTES + n - 1)  # last data byte of page 1
+        _flip(path, off + n - 1)  # last byte of page 1
         path, off, _ = _slot_offset(be, ks[3])
-        _flip(path, off + 20)  # the header of page 3 (its key digest)
+        _flip(path, off)  # first byte of page 3
         assert be.check() != []  # check sees both before any read does
         fill(pool, 99)
         before = page_bytes(pool, 10)
@@ -126,7 +125,7 @@ def test_uncommitted_write_is_invisible_and_its_slot_reclaimed(extra: dict[str, 
         ekey = be.store.index.entry_key(ns.ns, ks[0])
         # the writer "crashes" after reserving and writing, before FINISH
         gen, _, slots = be.store.index.reserve(ns.cls, [ekey], 0.2, be.cfg.capacity_bytes)
-        be.store.files.write_slot(ns.cls, slots[0], b"x" * 64, be._pool("kv").plan.regions(0), ns.page_bytes, False)
+        be.store.files.write_slot(ns.cls, slots[0], be._pool("kv").plan.regions(0), ns.page_bytes, False)
         assert be.batch_exists(ks) == 0
         assert be.batch_get_v1(ks[:1], page_indices([5], 4)) == [False]
         assert be.store.index.usage(ns.cls)["pending"] == 1
