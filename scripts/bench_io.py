@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """I/O benchmark: tierstore beside the disk's own limit and SGLang's HiCacheFile, in one run.
 
-    python3 scripts/bench_io.py --dir /var/tmp/tierstore-bench --out scripts/results/bench_io.json
+    python3 scripts/bench_io.py --repeat 11 --probe-repeat 1000 --out scripts/results/bench_io.json \
+        > scripts/results/bench_io.txt     (the committed run; about 15 minutes)
 
 Everything runs on the same directory, one page size at a time, batches of 128 pages:
   disk      O_DIRECT pwritev/preadv of the same pages from aligned buffers, with the
@@ -13,14 +14,17 @@ Everything runs on the same directory, one page size at a time, batches of 128 p
   ts_v2     tierstore batch_set_v2/batch_get_v2 (the KV pool registered as a v2 pool)
   ts_v1_nocks  diagnostic: ts_v1 with the checksum replaced by a constant (what hashing and
                verifying the bytes costs, all else equal)
-Reads are "cold" after POSIX_FADV_DONTNEED on every file written (the page cache dropped
-for them) and "warm" right after. Every round writes new keys; tierstore then drops them so
-the next round overwrites the same slots, as a full store reuses evicted ones (and as the
-disk rounds overwrite the same file range): the first write into preallocated space costs
-ext4 extra (unwritten extents), which only a store's first fill pays. Then the probe of 128 keys (all hit / first missing /
-last missing) against one redis-py MGET of the same keys, and per-page cost with 4 KiB
-pages, where I/O is negligible. Each figure is the median of --repeat runs (p90, p99 too);
-ratios compare medians of the same run. Starts its own redis-server.
+Reads are "cold" after fdatasync and POSIX_FADV_DONTNEED on every file written (the page
+cache dropped for them; the disk rounds too, though O_DIRECT bypasses it, so every system's
+reads start with its writes flushed) and "warm" right after. Every round writes new keys;
+tierstore then drops them so the next round overwrites the same slots, as a full store
+reuses evicted ones (and as the disk rounds overwrite the same file range): the first write
+into preallocated space costs ext4 extra (unwritten extents), which only a store's first
+fill pays. Rounds of all systems are interleaved, in a new random order (--seed) each
+time. Then the probe of 128 keys (all hit / first missing / last missing) against one
+redis-py MGET of the same keys, and per-page cost with 4 KiB pages, where I/O is
+negligible. Each figure is the median of --repeat rounds (p90, p99 too); ratios compare
+medians of the same run. Starts its own redis-server.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import socket
 import statistics
@@ -74,10 +79,14 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
-def drop_cache(root: str) -> None:
-    """POSIX_FADV_DONTNEED on every file under root (needs no privileges)."""
+def drop_cache(root: str, only: str = "") -> None:
+    """fdatasync, then POSIX_FADV_DONTNEED, on every file under root (or just ``only``):
+    the writes are on the disk, not in a cache (the guest's or, through the flush, the
+    VM host's), before reads are timed. Needs no privileges."""
     for d, _, names in os.walk(root):
         for n in names:
+            if only and os.path.join(d, n) != only:
+                continue
             try:
                 fd = os.open(os.path.join(d, n), os.O_RDONLY)
             except OSError:
@@ -105,7 +114,7 @@ def start_redis(workdir: str) -> tuple[subprocess.Popen[bytes], str]:
 
 
 # -- the systems compared: each yields (write, cold read, warm read) seconds per round --------
-#    Rounds of all systems are interleaved (rotating order) so they share the machine's moods.
+#    Rounds of all systems are interleaved (random order) so they share the machine's moods.
 
 Round = tuple[float, float, float]
 
@@ -131,7 +140,9 @@ def disk_rounds(path: str, page: int, threads: int, pool: Any) -> Iterator[Round
 
     try:
         while True:
-            yield timed(lambda: run(True)), timed(lambda: run(False)), timed(lambda: run(False))
+            w = timed(lambda: run(True))
+            drop_cache(path, only=f)  # as every system's reads: after its writes are flushed
+            yield w, timed(lambda: run(False)), timed(lambda: run(False))
     finally:
         pool.shutdown()
         os.close(fd)
@@ -183,6 +194,7 @@ def tierstore_rounds(path: str, redis_url: str, pool: Any, threads: int, v2: boo
     info["o_direct_zero_copy"] = be._pool("kv").plan.aligned
     redis_s = count_redis_time(be)
     write_redis_ms: list[float] = []
+    read_redis_ms: list[float] = []
     try:
         while True:
             keys = [uuid.uuid4().hex for _ in range(BATCH)]
@@ -198,13 +210,16 @@ def tierstore_rounds(path: str, redis_url: str, pool: Any, threads: int, v2: boo
                 w = timed(lambda: out.append(set_()))
                 write_redis_ms.append(1e3 * redis_s[0])
                 drop_cache(d)
+                redis_s[0] = 0.0
                 cold = timed(lambda: out.append(get_()))
+                read_redis_ms.append(1e3 * redis_s[0])
                 warm = timed(lambda: out.append(get_()))
             assert all(all(x) for x in out), "a tierstore call failed during the benchmark"
             yield w, cold, warm
             be.clear()  # the next round overwrites these slots, as a full store reuses evicted ones
     finally:
         info["write_redis_ms"] = stats(write_redis_ms) if write_redis_ms else None
+        info["read_redis_ms"] = stats(read_redis_ms) if read_redis_ms else None
         be.clear()
         be.close()
         shutil.rmtree(d, ignore_errors=True)
@@ -218,12 +233,16 @@ def rates(nbytes: int, rounds: list[Round]) -> dict[str, Any]:
     return out
 
 
-def interleave(systems: dict[str, Iterator[Round]], repeat: int) -> dict[str, list[Round]]:
+def interleave(systems: dict[str, Iterator[Round]], repeat: int, rng: random.Random) -> dict[str, list[Round]]:
+    """``repeat`` rounds of every system, in a new random order each time: a round runs
+    while the disk still works off the one before (the VM's host caches writes), so no
+    system may always follow the same one (a rotating order put ts_v1 after HiCacheFile's
+    buffered writes every time)."""
     names = list(systems)
     samples: dict[str, list[Round]] = {n: [] for n in names}
     try:
-        for rep in range(repeat):
-            for name in names[rep % len(names):] + names[: rep % len(names)]:
+        for _ in range(repeat):
+            for name in rng.sample(names, len(names)):
                 samples[name].append(next(systems[name]))
     finally:
         for g in systems.values():
@@ -328,15 +347,17 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--probe-repeat", type=int, default=300)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the round order")
     ap.add_argument("--out")
     a = ap.parse_args()
     os.makedirs(a.dir, exist_ok=True)
     work = tempfile.mkdtemp(dir=a.dir)
     redis_proc, url = start_redis(work)
     units = {"K": 1 << 10, "M": 1 << 20}
+    rng = random.Random(a.seed)
     report: dict[str, Any] = {
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-        "threads": a.threads, "batch": BATCH, "repeat": a.repeat, "sizes": {},
+        "threads": a.threads, "batch": BATCH, "repeat": a.repeat, "seed": a.seed, "sizes": {},
         "machine": {"cpus": os.cpu_count(), "dir": a.dir},
     }
     try:
@@ -357,7 +378,7 @@ def main() -> int:
                 "ts_v2": tierstore_rounds(work, url, mha, a.threads, True, False, info["ts_v2"]),
                 "ts_mla": tierstore_rounds(work, url, mla, a.threads, False, True, info["ts_mla"]),
                 "ts_v1_nocks": tierstore_rounds(work, url, mha, a.threads, False, False, {}, checksum=False),
-            }, a.repeat)
+            }, a.repeat, rng)
             row: dict[str, Any] = {"page_bytes": page_bytes(mha)}
             for name, rounds in samples.items():
                 nbytes = page_bytes(mla) if name == "ts_mla" else size
@@ -393,10 +414,11 @@ def print_row(spec: str, row: dict[str, Any]) -> None:
     print(f"  ts_v1 / disk: write {med(v1, 'write_gbps') / disk_w:.2f}, cold read {med(v1, 'read_cold_gbps') / disk_r:.2f};"
           f"  ts_v1 / hicache: write {med(v1, 'write_gbps') / med(hf, 'write_gbps'):.2f}, cold read "
           f"{med(v1, 'read_cold_gbps') / med(hf, 'read_cold_gbps'):.2f}, warm read {med(v1, 'read_warm_gbps') / med(hf, 'read_warm_gbps'):.2f}")
-    nc, rms = row["ts_v1_nocks"], v1["write_redis_ms"]["median"]
-    gb = row["page_bytes"] * BATCH / 1e9
-    print(f"  ts_v1 write batch: {1e3 * gb / med(v1, 'write_gbps'):.1f} ms, of which {rms:.1f} ms in its two Redis calls"
-          f" (RESERVE, FINISH); without them / disk: {gb / (gb / med(v1, 'write_gbps') - rms / 1e3) / disk_w:.2f}")
+    nc, gb = row["ts_v1_nocks"], row["page_bytes"] * BATCH / 1e9
+    for op, calls, rate, limit in (("write", "RESERVE, FINISH", "write_gbps", disk_w), ("cold read", "MGET", "read_cold_gbps", disk_r)):
+        rms, secs = v1[op.split()[-1] + "_redis_ms"]["median"], gb / med(v1, rate)
+        print(f"  ts_v1 {op} batch: {1e3 * secs:.1f} ms, of which {rms:.1f} ms in Redis ({calls});"
+              f" without it / disk: {gb / (secs - rms / 1e3) / limit:.2f}")
     print(f"  diagnostic: ts_v1 without hashing the bytes / disk: write {med(nc, 'write_gbps') / disk_w:.2f},"
           f" cold read {med(nc, 'read_cold_gbps') / disk_r:.2f}")
 

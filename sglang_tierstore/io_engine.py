@@ -36,8 +36,8 @@ class Batch(Generic[R]):
         for k, item in enumerate(items, first):
             try:
                 out: Outcome[R] = fn(item)
-            except Exception as e:  # kept per page; the caller decides what it means
-                out = e
+            except BaseException as e:  # kept per page (the caller decides what it means),
+                out = e  # and always reported: the caller waits for every item
             self._done.put((k, out))
 
     def as_completed(self) -> Iterator[tuple[int, Outcome[R]]]:
