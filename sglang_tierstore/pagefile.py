@@ -114,29 +114,27 @@ class PageFiles:
 
     def write_slot(self, cls: SlotClass, slot: int, data: Sequence[memoryview], nbytes: int, aligned: bool) -> None:
         """Write a page (``nbytes`` in ``data``) into a slot with one pwritev."""
-        file_no, off = self.locate(cls, slot)
-        fd, dfd = self._open(cls, file_no)
-        use_fd = dfd if aligned and dfd >= 0 else fd
-        try:
-            n = _pwritev_all(use_fd, data, off, nbytes)
-            if self.fsync:
-                os.fdatasync(use_fd)
-        except OSError as e:
-            raise PageIOError(e.errno, f"write of slot {slot} in {self.file_path(cls, file_no)} failed: {e.strerror}") from e
-        if n != nbytes:
-            raise PageIOError(errno.EIO, f"short write of slot {slot}")
+        self._io("write", cls, slot, data, nbytes, aligned)
 
     def read_slot(self, cls: SlotClass, slot: int, data: Sequence[memoryview], nbytes: int, aligned: bool) -> None:
         """Read a slot's page (``nbytes`` into ``data``) with one preadv."""
+        self._io("read", cls, slot, data, nbytes, aligned)
+
+    def _io(self, op: str, cls: SlotClass, slot: int, data: Sequence[memoryview], nbytes: int, aligned: bool) -> None:
         file_no, off = self.locate(cls, slot)
         fd, dfd = self._open(cls, file_no)
         use_fd = dfd if aligned and dfd >= 0 else fd
         try:
-            n = os.preadv(use_fd, data, off)
+            if op == "read":
+                n = os.preadv(use_fd, data, off)
+            else:
+                n = _pwritev_all(use_fd, data, off, nbytes)
+                if self.fsync:
+                    os.fdatasync(use_fd)
         except OSError as e:
-            raise PageIOError(e.errno, f"read of slot {slot} in {self.file_path(cls, file_no)} failed: {e.strerror}") from e
+            raise PageIOError(e.errno, f"{op} of slot {slot} in {self.file_path(cls, file_no)} failed: {e.strerror}") from e
         if n != nbytes:
-            raise PageIOError(errno.EIO, f"short read of slot {slot} ({n} of {nbytes} bytes)")
+            raise PageIOError(errno.EIO, f"short {op} of slot {slot} ({n} of {nbytes} bytes)")
 
     def files(self) -> list[str]:
         """Every page file on disk, for checks and tests."""

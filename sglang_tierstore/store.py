@@ -29,10 +29,10 @@ import xxhash
 
 from sglang_tierstore.config import TierStoreConfig
 from sglang_tierstore.errors import PageIOError, TierStoreError
-from sglang_tierstore.index import EXISTS, FULL, Entry, RedisIndex, entry_fields, format_entry, parse_entry
+from sglang_tierstore.index import EXISTS, FULL, RedisIndex, entry_fields, format_entry
 from sglang_tierstore.io_engine import IOEngine
 from sglang_tierstore.metrics import Metrics, RateLimitedLog
-from sglang_tierstore.pagefile import PageFiles, SlotClass, checksum
+from sglang_tierstore.pagefile import PageFiles, SlotClass, checksum, round_up
 
 logger = logging.getLogger(__name__)
 
@@ -91,13 +91,11 @@ class TierStore:
             cls = self._classes.get(page_bytes)
         if cls is not None and not refresh:
             return cls
-        cls = SlotClass(page_bytes, 1)
-        spf = max(1, self.cfg.file_bytes // cls.slot_size)
+        cls = SlotClass(page_bytes, max(1, self.cfg.file_bytes // round_up(page_bytes)))
         try:
-            spf = self.index.slots_per_file(cls) or spf
+            cls = SlotClass(page_bytes, self.index.slots_per_file(cls) or cls.slots_per_file)
         except TierStoreError:
             pass  # Redis down: RESERVE re-checks the geometry before any write
-        cls = SlotClass(page_bytes, spf)
         with self._lock:
             self._classes[page_bytes] = cls
         return cls
@@ -209,11 +207,12 @@ class TierStore:
             written += ok and op[1] == "c"
         self.metrics.pages("write", "stored", written)
         self.metrics.pages("write", "exists", slots.count(EXISTS))
-        self.metrics.pages("write", "full", slots.count(FULL))
+        full = slots.count(FULL)
+        self.metrics.pages("write", "full", full)
         self.metrics.pages("write", "failed", len(keys) - sum(results))
         self.metrics.bytes("write", written * ns.page_bytes)
-        if slots.count(FULL):
-            self.log.warning("full", "no slot for %d page(s) of %d bytes: capacity in use by other slot classes", slots.count(FULL), ns.page_bytes)
+        if full:
+            self.log.warning("full", "no slot for %d page(s) of %d bytes: capacity in use by other slot classes", full, ns.page_bytes)
         self._queue_touch(cls, [k for k, s in zip(ekeys, slots) if s == EXISTS])
         self.metrics.observe("write", mod_time.perf_counter() - t0)
         return results
@@ -254,7 +253,7 @@ class TierStore:
             raws = self.index.lookup(members)
             bad = []
             for ekey, raw in zip(members, raws):
-                why = "no entry" if raw is None else self._verify_slot(cls, parse_entry(raw))
+                why = "no entry" if raw is None else self._verify_slot(cls, _fields(raw))
                 if why:
                     problems.append(f"{ekey}: {why}")
                     bad.append((ekey, raw or b""))
@@ -262,15 +261,18 @@ class TierStore:
                 self.index.drop(bad)
         return problems
 
-    def _verify_slot(self, cls: SlotClass, e: Entry) -> Optional[str]:
-        if e.page_bytes != cls.page_bytes:
-            return f"entry names class {e.page_bytes}"
-        data = bytearray(cls.page_bytes)
+    def _verify_slot(self, cls: SlotClass, fields: Optional[tuple[int, int, int, int]]) -> Optional[str]:
+        if fields is None:
+            return "unparsable entry"
+        page_bytes, slot, _, cks = fields
+        if page_bytes != cls.page_bytes:
+            return f"entry names class {page_bytes}"
+        data = bytearray(page_bytes)
         try:
-            self.files.read_slot(cls, e.slot, [memoryview(data)], cls.page_bytes, False)
+            self.files.read_slot(cls, slot, [memoryview(data)], page_bytes, False)
         except PageIOError as err:
             return f"unreadable: {err}"
-        return None if checksum([memoryview(data)]) == e.cks else "checksum mismatch"
+        return None if checksum([memoryview(data)]) == cks else "checksum mismatch"
 
     def stats(self) -> dict[str, object]:
         out: dict[str, object] = dict(self.metrics.snapshot())

@@ -108,6 +108,7 @@ def test_unparsable_index_value_is_a_miss_and_is_dropped(extra: dict[str, Any]) 
         assert be.batch_set_v1(ks, page_indices(range(3), 4)) == [True] * 3
         ekey = be.store.index.entry_key(be._pool("kv").ns.ns, ks[1])
         redis.Redis.from_url(extra["redis_url"]).set(ekey, b"not:an:entry")
+        assert [p for p in be.check() if "unparsable" in p] == [f"{ekey}: unparsable entry"]
         assert be.batch_get_v1(ks[:2], page_indices([10, 11], 4)) == [True, False]
         assert page_bytes(pool, 10) == page_bytes(pool, 0)
         assert be.store.stats()["error_corrupt"] == 1
