@@ -14,15 +14,20 @@ Everything runs on the same directory, one page size at a time, batches of 128 p
   ts_v2     tierstore batch_set_v2/batch_get_v2 (the KV pool registered as a v2 pool)
   ts_v1_nocks  diagnostic: ts_v1 with the checksum replaced by a constant (what hashing and
                verifying the bytes costs, all else equal)
+  ts_v1_nocoal diagnostic: ts_v1 with every page its own I/O (what coalescing adjacent slots
+               into one preadv/pwritev buys)
+  ts_steady    ts_v1 in steady state: the store holds 4 batches of this size and of a second
+               page size (half as large), written in turn, so every round evicts regions of
+               both sizes (inline or by housekeeping running alongside); nothing is cleared
 Reads are "cold" after fdatasync and POSIX_FADV_DONTNEED on every file written (the page
 cache dropped for them; the disk rounds too, though O_DIRECT bypasses it, so every system's
 reads start with its writes flushed) and "warm" right after. Every round writes new keys;
-tierstore then drops them so the next round overwrites the same slots, as a full store
+tierstore then drops them, which frees their regions for the next round, as a full store
 reuses evicted ones (and as the disk rounds overwrite the same file range): the first write
-into preallocated space costs ext4 extra (unwritten extents), which only a store's first
-fill pays. Rounds of all systems are interleaved, in a new random order (--seed) each
+into newly allocated space costs ext4 extra (unwritten extents), which only a store's first
+fill pays. ts_steady instead never drops anything. Rounds of all systems are interleaved, in a new random order (--seed) each
 time. Then the probe of 128 keys (all hit / first missing / last missing) against one
-redis-py MGET of the same keys, and per-page cost with 4 KiB pages, where I/O is
+redis-py MGET of 128 string keys named like the entries (and one HMGET of the entries), and per-page cost with 4 KiB pages, where I/O is
 negligible. Each figure is the median of --repeat rounds (p90, p99 too); ratios compare
 medians of the same run. Starts its own redis-server.
 """
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
 import random
@@ -56,6 +62,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheFile, PoolName, PoolTran
 from sglang_tierstore import TierStoreBackend  # noqa: E402
 from sglang_tierstore import store as ts_store  # noqa: E402
 from sglang_tierstore.hostmem import ALIGN  # noqa: E402
+from sglang_tierstore.schema import entry_field  # noqa: E402
 
 BATCH = 128
 # page bytes -> MHA geometry (tokens per page, layers, KV heads, head dim), bf16, K and V
@@ -66,6 +73,11 @@ GEOMETRY = {
     8 << 20: (64, 32, 8, 128),  # 64 tokens of Llama-3-8B
 }
 MLA_LAYERS = {256 << 10: 4, 1 << 20: 14, 2 << 20: 28, 8 << 20: 112}  # 64 tokens x 1152 B per layer
+
+
+def sgl_key() -> str:
+    """A page key as SGLang makes them: 64 hex digits of a SHA-256 chain."""
+    return hashlib.sha256(uuid.uuid4().bytes).hexdigest()
 
 
 def stats(samples: list[float]) -> dict[str, float]:
@@ -157,7 +169,7 @@ def hicache_rounds(path: str, pool: Any) -> Iterator[Round]:
     ps = pool.page_size
     try:
         while True:
-            keys = [uuid.uuid4().hex for _ in range(BATCH)]
+            keys = [sgl_key() for _ in range(BATCH)]
 
             def set_() -> None:
                 assert hf.batch_set(keys, [pool.get_data_page(i * ps) for i in range(BATCH)])
@@ -176,16 +188,16 @@ def hicache_rounds(path: str, pool: Any) -> Iterator[Round]:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def backend(path: str, redis_url: str, threads: int, mla: bool = False, **extra: Any) -> TierStoreBackend:
+def backend(path: str, redis_url: str, threads: int, mla: bool = False, model: str = "bench", **extra: Any) -> TierStoreBackend:
     cfg = {"redis_url": redis_url, "redis_prefix": "bench-" + uuid.uuid4().hex[:8], "path": path,
-           "capacity_gb": 64, "file_size_mb": 1024, "io_threads": threads, "interface_v1": 1, **extra}
-    return TierStoreBackend(storage_config(cfg, mla=mla), {})
+           "capacity_gb": 64, "io_threads": threads, "interface_v1": 1, **extra}
+    return TierStoreBackend(storage_config(cfg, mla=mla, model=model), {})
 
 
 def tierstore_rounds(path: str, redis_url: str, pool: Any, threads: int, v2: bool, mla: bool, info: dict[str, Any],
-                     checksum: bool = True) -> Iterator[Round]:
-    """tierstore's calls; ``checksum=False`` is a diagnostic: the checksum replaced by a
-    constant on writes and reads (what the path costs without hashing the bytes)."""
+                     checksum: bool = True, coalesce: bool = True) -> Iterator[Round]:
+    """tierstore's calls. Diagnostics: ``checksum=False`` replaces the checksum by a
+    constant on writes and reads; ``coalesce=False`` makes every page its own I/O."""
     d = os.path.join(path, "tierstore-" + uuid.uuid4().hex[:6])
     ps = pool.page_size
     src, dst = page_indices(range(BATCH), ps), page_indices(range(BATCH, 2 * BATCH), ps)
@@ -198,7 +210,7 @@ def tierstore_rounds(path: str, redis_url: str, pool: Any, threads: int, v2: boo
     read_redis_ms: list[float] = []
     try:
         while True:
-            keys = [uuid.uuid4().hex for _ in range(BATCH)]
+            keys = [sgl_key() for _ in range(BATCH)]
             if v2:
                 set_ = lambda: be.batch_set_v2([PoolTransfer(name=PoolName.KV, host_indices=src, keys=keys)])["kv"]  # noqa: E731
                 get_ = lambda: be.batch_get_v2([PoolTransfer(name=PoolName.KV, host_indices=dst, keys=keys)])["kv"]  # noqa: E731
@@ -206,7 +218,11 @@ def tierstore_rounds(path: str, redis_url: str, pool: Any, threads: int, v2: boo
                 set_ = lambda: be.batch_set_v1(keys, src)  # noqa: E731
                 get_ = lambda: be.batch_get_v1(keys, dst)  # noqa: E731
             out: list[Any] = []
-            with contextlib.nullcontext() if checksum else mock.patch.object(ts_store, "checksum", lambda regions: 0):
+            with contextlib.ExitStack() as patches:
+                if not checksum:
+                    patches.enter_context(mock.patch.object(ts_store, "checksum", lambda regions: 0))
+                if not coalesce:
+                    patches.enter_context(mock.patch.object(ts_store, "MAX_RUN_BYTES", 0))
                 redis_s[0] = 0.0
                 w = timed(lambda: out.append(set_()))
                 write_redis_ms.append(1e3 * redis_s[0])
@@ -217,12 +233,58 @@ def tierstore_rounds(path: str, redis_url: str, pool: Any, threads: int, v2: boo
                 warm = timed(lambda: out.append(get_()))
             assert all(all(x) for x in out), "a tierstore call failed during the benchmark"
             yield w, cold, warm
-            be.clear()  # the next round overwrites these slots, as a full store reuses evicted ones
+            be.clear()  # frees their regions: the next round reuses them, as a full store reuses evicted ones
     finally:
         info["write_redis_ms"] = stats(write_redis_ms) if write_redis_ms else None
         info["read_redis_ms"] = stats(read_redis_ms) if read_redis_ms else None
         be.clear()
         be.close()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def steady_rounds(path: str, redis_url: str, pool: Any, other: Any, threads: int, info: dict[str, Any]) -> Iterator[Round]:
+    """ts_v1 with the store full and evicting: two models (page sizes P and about P/2)
+    share a store that holds 4 batches of each; every round writes a new batch of the
+    other size (untimed), then the timed batch, so each round evicts both sizes' regions."""
+    d = os.path.join(path, "steady-" + uuid.uuid4().hex[:6])
+    p_bytes, o_bytes = page_bytes(pool), page_bytes(other)
+    prefix = "bench-" + uuid.uuid4().hex[:8]
+    cap = 4 * BATCH * (p_bytes + o_bytes) / (1 << 30)
+    main = backend(d, redis_url, threads, model="p", redis_prefix=prefix, capacity_gb=cap)
+    side = backend(d, redis_url, threads, model="other", redis_prefix=prefix, capacity_gb=cap)
+    main.register_mem_pool_host(pool)
+    side.register_mem_pool_host(other)
+    src, dst = page_indices(range(BATCH), pool.page_size), page_indices(range(BATCH, 2 * BATCH), pool.page_size)
+    osrc = page_indices(range(BATCH), other.page_size)
+    redis_s = count_redis_time(main)
+    write_redis_ms: list[float] = []
+    evicted: list[int] = []
+    try:
+        for _ in range(6):  # fill: from here on every batch evicts
+            assert all(side.batch_set_v1([sgl_key() for _ in range(BATCH)], osrc))
+            assert all(main.batch_set_v1([sgl_key() for _ in range(BATCH)], src))
+        while True:
+            before = main.store.stats().get("evicted", 0) + side.store.stats().get("evicted", 0)
+            assert all(side.batch_set_v1([sgl_key() for _ in range(BATCH)], osrc))
+            keys = [sgl_key() for _ in range(BATCH)]
+            out: list[Any] = []
+            redis_s[0] = 0.0
+            w = timed(lambda: out.append(main.batch_set_v1(keys, src)))
+            write_redis_ms.append(1e3 * redis_s[0])
+            drop_cache(d)
+            cold = timed(lambda: out.append(main.batch_get_v1(keys, dst)))
+            warm = timed(lambda: out.append(main.batch_get_v1(keys, dst)))
+            assert all(all(x) for x in out), "a tierstore call failed during the benchmark"
+            evicted.append(main.store.stats().get("evicted", 0) + side.store.stats().get("evicted", 0) - before)
+            yield w, cold, warm
+    finally:
+        info["write_redis_ms"] = stats(write_redis_ms) if write_redis_ms else None
+        info["regions_evicted_per_round"] = stats([float(e) for e in evicted]) if evicted else None
+        info["region_bytes"] = main.store.usage()["region_bytes"]
+        info["other_page_bytes"] = o_bytes
+        assert main.check(verify_pages=False) == []
+        main.close()
+        side.close()
         shutil.rmtree(d, ignore_errors=True)
 
 
@@ -260,16 +322,22 @@ def bench_probe(path: str, redis_url: str, repeat: int) -> dict[str, Any]:
     ps = pool.page_size
     with backend(os.path.join(path, "probe"), redis_url, 8) as be:
         be.register_mem_pool_host(pool)
-        keys = [uuid.uuid4().hex for _ in range(BATCH)]
+        keys = [sgl_key() for _ in range(BATCH)]
         assert all(be.batch_set_v1(keys, page_indices(range(BATCH), ps)))
         import redis
 
         r = redis.Redis.from_url(redis_url)
-        ns = be._pool("kv").ns.ns
-        ekeys = [be.store.index.entry_key(ns, k) for k in keys]
-        missing = uuid.uuid4().hex
+        a = be.store.attached()
+        ns = be._pool("kv").ns
+        fields = [entry_field(ns.ns_id, k) for k in keys]
+        entries = a.alloc.keys(0)[1]
+        names = [f"{{{a.att.tag}:0}}:".encode() + f for f in fields]  # string keys as long as a shard key + field
+        values = r.hmget(entries, fields)
+        r.mset(dict(zip(names, values)))
+        missing = sgl_key()
         cases = {
-            "mget_128": lambda: r.mget(ekeys),
+            "mget_128": lambda: r.mget(names),
+            "hmget_128": lambda: r.hmget(entries, fields),
             "probe_all_hit": lambda: be.batch_exists(keys),
             "probe_first_missing": lambda: be.batch_exists([missing] + keys[1:]),
             "probe_last_missing": lambda: be.batch_exists(keys[:-1] + [missing]),
@@ -277,12 +345,13 @@ def bench_probe(path: str, redis_url: str, repeat: int) -> dict[str, Any]:
         for fn in cases.values():
             for _ in range(20):
                 fn()
-        names = list(cases)
-        ms: dict[str, list[float]] = {n: [] for n in names}
+        order = list(cases)
+        ms: dict[str, list[float]] = {n: [] for n in order}
         for i in range(repeat):  # interleaved, rotating order
-            for name in names[i % len(names):] + names[: i % len(names)]:
+            for name in order[i % len(order):] + order[: i % len(order)]:
                 ms[name].append(1e3 * timed(cases[name]))
         out: dict[str, Any] = {n: stats(v) for n, v in ms.items()}
+        r.delete(*names)
         # per-page cost with 4 KiB pages through the page cache: I/O is negligible
         src, dst = page_indices(range(BATCH), ps), page_indices(range(BATCH, 2 * BATCH), ps)
     with backend(os.path.join(path, "tiny"), redis_url, 8, o_direct=False) as be:
@@ -290,7 +359,7 @@ def bench_probe(path: str, redis_url: str, repeat: int) -> dict[str, Any]:
         redis_s = count_redis_time(be)
         sets, gets, set_py, get_py = [], [], [], []
         for _ in range(max(20, repeat // 10)):
-            keys = [uuid.uuid4().hex for _ in range(BATCH)]
+            keys = [sgl_key() for _ in range(BATCH)]
             for op, total, py in ((lambda: be.batch_set_v1(keys, src), sets, set_py), (lambda: be.batch_get_v1(keys, dst), gets, get_py)):
                 redis_s[0] = 0.0
                 t = timed(op)
@@ -327,7 +396,7 @@ def count_redis_time(be: TierStoreBackend) -> list[float]:
     """Wrap the backend's index calls to add up the time spent waiting on Redis."""
     acc = [0.0]
     idx = be.store.index
-    for name in ("lookup", "reserve", "finish"):
+    for name in ("hmget", "scripts"):
         fn = getattr(idx, name)
 
         def timed_call(*a: Any, _fn: Callable[..., Any] = fn, **k: Any) -> Any:
@@ -371,7 +440,8 @@ def main() -> int:
             for pool in (mha, mla):
                 raw = pool.kv_buffer.view(-1).view(torch.uint8)
                 raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
-            info: dict[str, dict[str, Any]] = {"ts_v1": {}, "ts_v2": {}, "ts_mla": {}}
+            half = mha_pool("page_first_direct", page_size=p, layers=max(1, layers // 2), heads=heads, head_dim=dim, tokens=BATCH * p)
+            info: dict[str, dict[str, Any]] = {"ts_v1": {}, "ts_v2": {}, "ts_mla": {}, "ts_steady": {}}
             samples = interleave({
                 "disk": disk_rounds(work, size, a.threads, mha),
                 "hicache": hicache_rounds(work, mha),
@@ -379,13 +449,15 @@ def main() -> int:
                 "ts_v2": tierstore_rounds(work, url, mha, a.threads, True, False, info["ts_v2"]),
                 "ts_mla": tierstore_rounds(work, url, mla, a.threads, False, True, info["ts_mla"]),
                 "ts_v1_nocks": tierstore_rounds(work, url, mha, a.threads, False, False, {}, checksum=False),
+                "ts_v1_nocoal": tierstore_rounds(work, url, mha, a.threads, False, False, {}, coalesce=False),
+                "ts_steady": steady_rounds(work, url, mha, half, a.threads, info["ts_steady"]),
             }, a.repeat, rng)
             row: dict[str, Any] = {"page_bytes": page_bytes(mha)}
             for name, rounds in samples.items():
                 nbytes = page_bytes(mla) if name == "ts_mla" else size
                 row[name] = {**rates(nbytes, rounds), **info.get(name, {})}
             row["ts_mla"]["page_bytes"] = page_bytes(mla)
-            del mha, mla
+            del mha, mla, half
             report["sizes"][spec] = row
             print_row(spec, row)
         measure_syscall(work)
@@ -407,27 +479,36 @@ def med(d: dict[str, Any], key: str) -> float:
 def print_row(spec: str, row: dict[str, Any]) -> None:
     disk_r, disk_w, hf = med(row["disk"], "read_cold_gbps"), med(row["disk"], "write_gbps"), row["hicache"]
     print(f"\n{spec} pages ({row['page_bytes']} B; MLA {row['ts_mla']['page_bytes']} B), batch {BATCH}: GB/s median [p90 p99]")
-    for name in ("disk", "hicache", "ts_v1", "ts_v2", "ts_mla", "ts_v1_nocks"):
+    for name in ("disk", "hicache", "ts_v1", "ts_v2", "ts_mla", "ts_v1_nocks", "ts_v1_nocoal", "ts_steady"):
         r = row[name]
         line = "  ".join(f"{k[:-5]:>10} {med(r, k):6.2f} [{r[k]['p90']:.2f} {r[k]['p99']:.2f}]" for k in ("write_gbps", "read_cold_gbps", "read_warm_gbps"))
-        print(f"  {name:<8} {line}")
+        print(f"  {name:<12} {line}")
     v1 = row["ts_v1"]
     print(f"  ts_v1 / disk: write {med(v1, 'write_gbps') / disk_w:.2f}, cold read {med(v1, 'read_cold_gbps') / disk_r:.2f};"
           f"  ts_v1 / hicache: write {med(v1, 'write_gbps') / med(hf, 'write_gbps'):.2f}, cold read "
           f"{med(v1, 'read_cold_gbps') / med(hf, 'read_cold_gbps'):.2f}, warm read {med(v1, 'read_warm_gbps') / med(hf, 'read_warm_gbps'):.2f}")
     nc, gb = row["ts_v1_nocks"], row["page_bytes"] * BATCH / 1e9
-    for op, calls, rate, limit in (("write", "RESERVE, FINISH", "write_gbps", disk_w), ("cold read", "MGET", "read_cold_gbps", disk_r)):
+    for op, calls, rate, limit in (("write", "COMMIT", "write_gbps", disk_w), ("cold read", "HMGET", "read_cold_gbps", disk_r)):
         rms, secs = v1[op.split()[-1] + "_redis_ms"]["median"], gb / med(v1, rate)
         print(f"  ts_v1 {op} batch: {1e3 * secs:.1f} ms, of which {rms:.1f} ms in Redis ({calls});"
               f" without it / disk: {gb / (secs - rms / 1e3) / limit:.2f}")
     print(f"  diagnostic: ts_v1 without hashing the bytes / disk: write {med(nc, 'write_gbps') / disk_w:.2f},"
           f" cold read {med(nc, 'read_cold_gbps') / disk_r:.2f}")
+    co = row["ts_v1_nocoal"]
+    print(f"  coalescing adjacent slots: ts_v1 / ts_v1_nocoal: write {med(v1, 'write_gbps') / med(co, 'write_gbps'):.2f},"
+          f" cold read {med(v1, 'read_cold_gbps') / med(co, 'read_cold_gbps'):.2f}")
+    st = row["ts_steady"]
+    ev = st["regions_evicted_per_round"]["median"] if st.get("regions_evicted_per_round") else 0
+    print(f"  steady state (store full, {ev:.0f} regions of {st['region_bytes'] >> 20} MiB evicted per round, second page size"
+          f" {st['other_page_bytes']} B): ts_steady / ts_v1: write {med(st, 'write_gbps') / med(v1, 'write_gbps'):.2f},"
+          f" cold read {med(st, 'read_cold_gbps') / med(v1, 'read_cold_gbps'):.2f}; ts_steady / disk: write"
+          f" {med(st, 'write_gbps') / disk_w:.2f}, cold read {med(st, 'read_cold_gbps') / disk_r:.2f}")
 
 
 def print_probe(p: dict[str, Any]) -> None:
     mget = med(p, "mget_128")
     print(f"\nprobe of {BATCH} keys, ms median [p90 p99], ratio to one MGET of the same keys")
-    for k in ("mget_128", "probe_all_hit", "probe_first_missing", "probe_last_missing"):
+    for k in ("mget_128", "hmget_128", "probe_all_hit", "probe_first_missing", "probe_last_missing"):
         print(f"  {k:<20} {med(p, k):.3f} [{p[k]['p90']:.3f} {p[k]['p99']:.3f}]  {med(p, k) / mget:.2f}x")
     sc = p["syscall_us_per_page_4k"]
     print(f"4 KiB pages, us per page median [p90 p99]; python = total - time in Redis calls - one "

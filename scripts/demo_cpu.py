@@ -66,7 +66,7 @@ def main() -> int:
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(args.workdir, "torch_extensions"))
     log = os.path.join(args.workdir, "server.log")
     prompts = conversation(3)
-    cfg = tierstore_config(path=store, capacity_gb=1, file_size_mb=16)
+    cfg = tierstore_config(path=store, capacity_gb=1)
 
     print("1. reference: SGLang without hierarchical cache")
     with Server(model, free_port(), log, cpu_args()) as s:

@@ -97,7 +97,7 @@ def main() -> int:
     rnd = random.Random(0)
     prompts = [[rnd.randrange(10, vocab) for _ in range(tokens)] for _ in range(a.prompts)]
     store = os.path.join(a.workdir, "store")
-    storage = tierstore_config(path=store, capacity_gb=4 if a.cpu else 64, file_size_mb=64 if a.cpu else 1024)
+    storage = tierstore_config(path=store, capacity_gb=4 if a.cpu else 64)
     log = os.path.join(a.workdir, "server.log")
     os.makedirs(a.workdir, exist_ok=True)
 

@@ -16,8 +16,9 @@ import functools
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, TypeVar
+from typing import Any, Callable, Deque, List, Optional, TypeVar
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import (
@@ -32,7 +33,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from sglang_tierstore.config import TierStoreConfig
 from sglang_tierstore.embedded import ensure_embedded_redis
-from sglang_tierstore.errors import IndexUnavailable, TierStoreError
+from sglang_tierstore.errors import IndexUnavailable, StoreDetached, TierStoreError
 from sglang_tierstore.eviction import Housekeeper
 from sglang_tierstore.hostmem import PagePlan, tensor_bytes
 from sglang_tierstore.store import Namespace, TierStore
@@ -40,6 +41,7 @@ from sglang_tierstore.store import Namespace, TierStore
 logger = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Any])
+IO_STATS_MAX = 4096
 KV = str(PoolName.KV)
 
 
@@ -63,9 +65,14 @@ def _guarded(fallback: Callable[..., Any]) -> Callable[[F], F]:
             except IndexUnavailable as e:
                 self.store.metrics.error("index_unavailable")
                 self.store.log.warning("index", "%s: %s; answering misses", fn.__name__, e)
+            except StoreDetached as e:
+                self.store.detach(e)
+            except (ValueError, LookupError) as e:  # bad input from the caller: the message says what
+                self.store.metrics.error("bad_call")
+                self.store.log.warning(f"bad_call:{fn.__name__}", "%s failed: %s", fn.__name__, e)
             except Exception as e:
                 self.store.metrics.error("internal")
-                self.store.log.warning(f"internal:{fn.__name__}", "%s failed: %r", fn.__name__, e)
+                self.store.log.exception(f"internal:{fn.__name__}", "%s failed", fn.__name__, exc=e)
             return fallback(*args, **kwargs)
 
         return inner  # type: ignore[return-value]
@@ -105,7 +112,12 @@ class TierStoreBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
         self.housekeeper.start()
         self._pools: dict[str, _Pool] = {}
         self._lock = threading.Lock()
-        self._io_stats: dict[str, list[float]] = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [], "backup_bandwidth": []}
+        # Per-batch samples for SGLang's StorageMetrics: only kept when SGLang collects them
+        # (it calls get_stats() only with storage metrics on), and never more than IO_STATS_MAX.
+        self._io_stats: Optional[dict[str, Deque[float]]] = (
+            {k: deque(maxlen=IO_STATS_MAX) for k in ("prefetch_pgs", "backup_pgs", "prefetch_bandwidth", "backup_bandwidth")}
+            if storage_config.enable_storage_metrics else None
+        )
         self._closed = False
         logger.info("tierstore: index %s, page files under %s, capacity %.1f GiB", "embedded " + url if embedded else url, ", ".join(self.cfg.path), self.cfg.capacity_gb)
 
@@ -199,6 +211,8 @@ class TierStoreBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
         return self.store.write(pool.ns, keys, [[tensor_bytes(p)] for p in pages], False)
 
     def _record(self, kind: str, ok: List[bool], page_bytes: int, t0: float) -> None:
+        if self._io_stats is None:
+            return
         pages = _leading(ok)
         dt = max(time.perf_counter() - t0, 1e-9)
         with self._lock:
@@ -297,11 +311,11 @@ class TierStoreBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
             keys = list(t.keys or [])
             try:
                 out[str(t.name)] = op(self._pool(str(t.name)), keys, t.host_indices)
-            except IndexUnavailable:
+            except (IndexUnavailable, StoreDetached):
                 raise
             except Exception as e:  # one bad transfer does not sink the others
                 self.store.metrics.error("internal")
-                self.store.log.warning(f"transfer:{t.name}", "pool %s transfer failed: %r", t.name, e)
+                self.store.log.exception(f"transfer:{t.name}", "pool %s transfer failed", t.name, exc=e)
                 out[str(t.name)] = [False] * len(keys)
         return out
 
@@ -343,13 +357,16 @@ class TierStoreBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
     def get_stats(self) -> Any:
         from sglang.srt.observability.metrics_collector import StorageMetrics
 
+        stats: dict[str, list[float]] = {}
         with self._lock:
-            stats, self._io_stats = self._io_stats, {k: [] for k in self._io_stats}
+            for k, samples in (self._io_stats or {}).items():
+                stats[k] = list(samples)
+                samples.clear()
         return StorageMetrics(**stats)
 
-    def check(self, fix: bool = False) -> list[str]:
-        """Compare the index with the page files (see TierStore.check)."""
-        return self.store.check(fix)
+    def check(self, fix: bool = False, verify_pages: bool = True) -> list[str]:
+        """Compare the index with itself and the page files (see ``sglang_tierstore.check``)."""
+        return self.store.check(fix, verify_pages)
 
     def close(self) -> None:
         if self._closed:

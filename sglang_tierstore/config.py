@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 from sglang_tierstore.errors import ConfigError
 
 GiB = 1 << 30
-MiB = 1 << 20
 
-# Keys SGLang (or its built-in file backend) reads from the same JSON; see SGLANG.md.
+# Keys SGLang 0.5.23 itself (or its built-in file backend) reads from the same JSON
+# (hicache_storage.py, backend_factory.py, cache_controller.py, storage/file/).
 SGLANG_KEYS = frozenset(
     {
         "backend_name",
@@ -72,6 +72,13 @@ def _str(v: Any) -> str:
     return v
 
 
+def _prefix(v: Any) -> str:
+    s = _str(v)
+    if not s or any(c in s for c in "{}|,") or any(c.isspace() for c in s):
+        raise ValueError(f"expected a non-empty name without braces, '|', ',' or spaces, got {v!r}")
+    return s
+
+
 def _redis_url(v: Any) -> Optional[str]:
     if v is None:
         return None
@@ -102,6 +109,12 @@ def _choice(*options: str) -> Callable[[Any], str]:
     return check
 
 
+# Keys earlier builds read: refused with the reason, never silently ignored.
+RETIRED = {
+    "file_size_mb": "page files are sized by the store itself, from its capacity, the same for every process",
+}
+
+
 class Setting(NamedTuple):
     default: Any
     check: Callable[[Any], Any]
@@ -113,18 +126,18 @@ class Setting(NamedTuple):
 SETTINGS: dict[str, Setting] = {
     "path": Setting(None, _paths, "Directory for page files, or a list of directories (one per NVMe device) that files are striped over."),
     "redis_url": Setting(None, _redis_url, "Redis holding the index. Unset: start (or join) an embedded redis-server on a unix socket under the first path, with AOF there."),
-    "capacity_gb": Setting(64.0, _positive_number, "Upper bound on page-file bytes on disk (GiB), over every directory."),
+    "capacity_gb": Setting(64.0, _positive_number, "Upper bound on page-file bytes on disk (GiB), over every directory. Any size from a few MiB up; a new value at start-up (or `TierStore.set_capacity` while running) evicts down to it and returns the disk space."),
     "namespace": Setting("", _str, "Extra namespace mixed into every key (e.g. a model revision): stores with different namespaces never share pages."),
-    "redis_prefix": Setting("tierstore", _str, "Prefix of every Redis key this store owns; stores with different prefixes are independent."),
-    "file_size_mb": Setting(1024, _positive_int, "Size of one preallocated page file (MiB); capacity grows and is accounted a file at a time."),
+    "redis_prefix": Setting("tierstore", _prefix, "Prefix of every Redis key this store owns; stores with different prefixes are independent, also on one path."),
+    "index_shards": Setting(1, _positive_int, "Allocator shards of the index, fixed when a store is created (one per Redis Cluster node; 1 for a standalone Redis or Valkey)."),
     "io_threads": Setting(8, _positive_int, "Threads issuing preadv/pwritev in parallel (queue depth)."),
     "o_direct": Setting(True, _bool, "Use O_DIRECT when buffers are 4 KiB aligned and the filesystem allows it; buffered I/O otherwise."),
     "fsync": Setting("none", _choice("none", "commit"), "`commit`: fdatasync page files before a write is published; `none`: rely on checksums after a crash."),
     "redis_timeout_s": Setting(0.5, _positive_number, "Socket timeout of every Redis call: an upper bound on how long Redis trouble can stall a batch."),
     "redis_retry_s": Setting(1.0, _positive_number, "After a Redis failure, answer misses without trying Redis for this long, then try again."),
-    "lease_s": Setting(60.0, _positive_number, "A reserved slot not committed within this time is reclaimed (writer crashed or stalled)."),
-    "housekeeping_s": Setting(0.2, _positive_number, "Period of the housekeeping thread (recency flush, lease reclaim, eviction ahead of need)."),
-    "free_target": Setting(0.02, _fraction, "Once a slot class is full, housekeeping evicts LRU pages until this fraction of its slots is free."),
+    "lease_s": Setting(60.0, _positive_number, "Slots leased to a writer that stops renewing them (it crashed or stalled) for this long are reclaimed."),
+    "housekeeping_s": Setting(0.2, _positive_number, "Period of the housekeeping thread (recency flush, lease reclaim, eviction ahead of need, shrinking to capacity)."),
+    "free_target": Setting(0.02, _fraction, "Once the store is full, housekeeping keeps this fraction of its regions free (evicting the least recently used) so writes seldom evict inline."),
     "log_interval_s": Setting(10.0, _positive_number, "At most one log line per kind of failure in this interval."),
     "redis_server": Setting("redis-server", _str, "redis-server binary for the embedded Redis."),
 }
@@ -139,7 +152,7 @@ class TierStoreConfig:
     capacity_gb: float = SETTINGS["capacity_gb"].default
     namespace: str = SETTINGS["namespace"].default
     redis_prefix: str = SETTINGS["redis_prefix"].default
-    file_size_mb: int = SETTINGS["file_size_mb"].default
+    index_shards: int = SETTINGS["index_shards"].default
     io_threads: int = SETTINGS["io_threads"].default
     o_direct: bool = SETTINGS["o_direct"].default
     fsync: str = SETTINGS["fsync"].default
@@ -155,14 +168,16 @@ class TierStoreConfig:
     def capacity_bytes(self) -> int:
         return int(self.capacity_gb * GiB)
 
-    @property
-    def file_bytes(self) -> int:
-        return self.file_size_mb * MiB
+    def with_capacity(self, capacity: int) -> "TierStoreConfig":
+        return replace(self, capacity_gb=capacity / GiB)
 
     @classmethod
     def from_dict(cls, extra: Optional[Mapping[str, Any]]) -> "TierStoreConfig":
         """Validate ``extra`` (SGLang's extra_config); raise ConfigError naming the key."""
         extra = dict(extra or {})
+        for key, why in RETIRED.items():
+            if key in extra:
+                raise ConfigError(f"tierstore config key {key!r}: no longer read ({why}); remove it")
         unknown = sorted(k for k in extra if k not in SETTINGS and k not in SGLANG_KEYS)
         if unknown:
             raise ConfigError(
@@ -181,13 +196,7 @@ class TierStoreConfig:
                 values[name] = setting.check(extra[name])
             except ValueError as e:
                 raise ConfigError(f"tierstore config key {name!r}: {e}") from None
-        cfg = cls(**values)
-        if cfg.file_bytes > cfg.capacity_bytes:
-            raise ConfigError(
-                f"tierstore config key 'file_size_mb': {cfg.file_size_mb} MiB exceeds "
-                f"capacity_gb={cfg.capacity_gb}; lower file_size_mb"
-            )
-        return cfg
+        return cls(**values)
 
 
 assert [f.name for f in fields(TierStoreConfig)] == list(SETTINGS), "SETTINGS and TierStoreConfig disagree"

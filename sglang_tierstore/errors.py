@@ -26,3 +26,13 @@ class PageIOError(TierStoreError, OSError):
 
 class EmbeddedRedisError(TierStoreError, RuntimeError):
     """The embedded redis-server cannot be started."""
+
+
+class StoreDetached(TierStoreError, RuntimeError):
+    """The store this process attached to is not in the index any more (dropped by a
+    re-format, or the index was lost): attach again."""
+
+
+class FileGone(PageIOError):
+    """A page file is provably not the one the index describes any more (deleted,
+    replaced, truncated): its pages are gone."""

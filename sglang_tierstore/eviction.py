@@ -1,11 +1,13 @@
-"""Housekeeping off the hot path: recency flushes, lease reclaim, eviction ahead of need.
+"""Housekeeping off the hot path: when the allocator's background work runs.
 
-Eviction itself is index work (LRU per slot class, in Lua); this module owns the
-policy of when it runs and how far: once a class can no longer grow, keep
-``free_target`` of capacity (at least 8 slots) free so RESERVE seldom evicts
-inline. Eviction only moves index entries, never deletes files, so no single bad
-slot or file can wedge it; a slot that failed a write sits in quarantine for
-``lease_s`` and is then tried again.
+Eviction itself is index work (region-granular LRU, in the allocator's Lua); this
+module owns its cadence. Every ``housekeeping_s``: flush batched recency updates,
+forget page files found gone, expire dead writers' leases, shrink to capacity
+(punching the space out of the files) and keep ``free_target`` of the regions free
+once the store is full. Every ``audit_s`` (first in its pass): check every page file
+against its path, remove files the index does not know, report our directories and
+forget those no process has reported for ``10 * lease_s``. Eviction moves index entries and never
+waits on a file, so no single bad file can wedge it.
 """
 
 from __future__ import annotations
@@ -14,17 +16,12 @@ import logging
 import threading
 from typing import Callable, Optional
 
-from sglang_tierstore.errors import IndexUnavailable, TierStoreError
-from sglang_tierstore.pagefile import SlotClass
+from sglang_tierstore.errors import IndexUnavailable, StoreDetached, TierStoreError
 from sglang_tierstore.store import TierStore
 
 logger = logging.getLogger(__name__)
 
-MAX_WORK = 1024  # slots moved per class and kind in one sweep: bounds each script call
-
-
-def free_slots_wanted(store: TierStore, cls: SlotClass) -> int:
-    return max(8, int(store.cfg.free_target * store.cfg.capacity_bytes / cls.slot_size))
+MAX_WORK = 256  # regions or leases handled per shard and script call: bounds each call
 
 
 class Housekeeper:
@@ -35,22 +32,30 @@ class Housekeeper:
         self._on_index_down = on_index_down
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="tierstore-housekeeping", daemon=True)
+        self._next_audit = 0.0
 
-    def run_once(self) -> None:
+    @property
+    def audit_s(self) -> float:
+        return min(5.0, self.store.cfg.lease_s / 2)
+
+    def run_once(self, audit: Optional[bool] = None) -> None:
+        """One pass; ``audit`` forces (True) or skips (False) the file audit."""
         store = self.store
         try:
             store.flush_touches()
-            for cls in store.known_classes():
-                reclaimed, evicted, released = store.index.sweep(
-                    cls, store.cfg.capacity_bytes, free_slots_wanted(store, cls), MAX_WORK, store.cfg.lease_s
-                )
-                store.metrics.housekeeping("leases_reclaimed", reclaimed)
-                store.metrics.housekeeping("evicted", evicted)
-                store.metrics.housekeeping("quarantine_released", released)
+            now = store.clock()
+            if audit or (audit is None and now >= self._next_audit):
+                self._next_audit = now + self.audit_s
+                store.audit_files(10 * store.cfg.lease_s)
+            store.forget_lost_files(MAX_WORK)
+            while store.sweep(MAX_WORK) >= MAX_WORK:
+                pass  # shrinking a lot at once: keep going, a bounded call at a time
         except IndexUnavailable as e:
             store.log.warning("housekeeping", "housekeeping skipped: %s", e)
             if self._on_index_down is not None:
                 self._on_index_down()
+        except StoreDetached as e:
+            store.detach(e)
         except TierStoreError as e:
             store.metrics.error("housekeeping")
             store.log.warning("housekeeping", "housekeeping failed: %s", e)
@@ -59,8 +64,9 @@ class Housekeeper:
         while not self._stop.wait(self.store.cfg.housekeeping_s):
             try:
                 self.run_once()
-            except Exception:  # never let the thread die: it is how the store heals
-                logger.exception("tierstore housekeeping crashed; continuing")
+            except Exception as e:  # never let the thread die: it is how the store heals
+                self.store.metrics.error("internal")
+                self.store.log.exception("internal:housekeeping", "housekeeping crashed; continuing", exc=e)
 
     def start(self) -> None:
         self._thread.start()

@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 
 import torch
 
-ALIGN = 4096
+from sglang_tierstore.schema import ALIGN
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

@@ -11,7 +11,7 @@ import logging
 import threading
 import time as mod_time
 from collections import Counter as _Counter
-from typing import Callable
+from typing import Callable, Optional
 
 from prometheus_client import Counter, Histogram
 
@@ -83,6 +83,14 @@ class RateLimitedLog:
         self._lock = threading.Lock()
 
     def warning(self, kind: str, msg: str, *args: object) -> None:
+        self._emit(kind, msg, args, None)
+
+    def exception(self, kind: str, msg: str, *args: object, exc: BaseException) -> None:
+        """Like :meth:`warning`, with the exception's traceback: for failures nobody
+        expected (bugs), which a counter alone would hide."""
+        self._emit(kind, msg, args, exc)
+
+    def _emit(self, kind: str, msg: str, args: tuple[object, ...], exc: Optional[BaseException]) -> None:
         now = self._clock()
         with self._lock:
             if now - self._last.get(kind, -1e18) < self._interval:
@@ -93,4 +101,4 @@ class RateLimitedLog:
         if skipped:
             msg += " (%d similar suppressed)"
             args = (*args, skipped)
-        self._logger.warning("tierstore " + msg, *args)
+        self._logger.warning("tierstore " + msg, *args, exc_info=exc)

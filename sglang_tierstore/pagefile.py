@@ -1,36 +1,49 @@
-"""Page files: preallocated files of fixed-size slots. Knows offsets, not keys.
+"""Page files: regions of slots on disk. Knows offsets and files, not keys.
 
-A slot class holds the pages of one size. Its slots (the page size rounded up to
-4 KiB, so every slot starts O_DIRECT-aligned) are numbered 0.. and live in files of
-``slots_per_file`` slots, file ``n`` in directory ``paths[n % len(paths)]``
-(striping over devices)::
+Each of a store's directories holds, for prefix ``P`` and store id ``X``::
 
-    <dir>/c<page_bytes>/f<n>.slots      slot i at offset (i % slots_per_file) * slot_size
+    <dir>/tierstore-<P>/store.json          which store this directory belongs to (home.py)
+    <dir>/tierstore-<P>/<X>/f000012.pages   page file 12 of store X
 
-A slot holds the page's bytes and nothing else, so a page moves in one contiguous,
-aligned I/O of its own size. The index vouches for what a slot holds: its entry
-carries the xxh3 checksum of the bytes, so a slot that was reused, half written or
-rotted since reads as a miss. (A slot that now holds other bytes identical to the
-page's would pass: then the bytes returned are the page's, which is all a read
-promises.)
+A page file is a 4 KiB header (JSON: prefix, store id, file number, uid, region size,
+regions per file) and then ``regions_per_file`` regions. Which directory holds file
+``n`` and which uid it carries are the index's (``files`` record), never derived
+from the list of directories, so adding or removing a directory moves nothing.
+
+A file is opened only if its header names the store, number and uid the index
+records. Deleting or replacing a file is noticed on open, before every commit of a
+write into it (its path must still lead to the inode we write to), and by
+housekeeping: the store then forgets the file (:class:`FileGone`). Every other
+failure (EMFILE, ENOMEM, EIO, EACCES...) is a :class:`PageIOError`: a miss or a
+failed write that leaves the index alone.
+
+A slot holds the page's bytes and nothing else, so a run of pages in adjacent slots
+moves in one ``preadv``/``pwritev``. The index vouches for what a slot holds: its
+entry carries the xxh3 checksum of the bytes.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import errno
+import json
 import os
+import re
 import threading
-from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import xxhash
 
-from sglang_tierstore.errors import PageIOError
-from sglang_tierstore.hostmem import ALIGN
+from sglang_tierstore.allocator import Geometry
+from sglang_tierstore.errors import FileGone, PageIOError
+from sglang_tierstore.schema import FORMAT, HEADER_BYTES
 
-
-def round_up(n: int, to: int = ALIGN) -> int:
-    return (n + to - 1) // to * to
+MAGIC = "tierstore-pages"
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+_FILE_RE = re.compile(r"^f(\d{6,})\.pages$")
 
 
 def checksum(regions: Sequence[memoryview]) -> int:
@@ -42,119 +55,242 @@ def checksum(regions: Sequence[memoryview]) -> int:
     return h.intdigest()
 
 
-@dataclass(frozen=True, slots=True)
-class SlotClass:
-    page_bytes: int
-    slots_per_file: int
+class FileRecord(NamedTuple):
+    """A page file as the index records it."""
 
-    @property
-    def name(self) -> str:
-        return str(self.page_bytes)
+    dir_id: str
+    uid: str
+    state: str  # c creating, r ready, l lost
 
-    @property
-    def slot_size(self) -> int:
-        return round_up(self.page_bytes)
 
-    @property
-    def file_bytes(self) -> int:
-        return self.slot_size * self.slots_per_file
+class _Open(NamedTuple):
+    fd: int  # buffered
+    dfd: int  # O_DIRECT, or -1
+    ino: int
+    path: str
 
 
 class PageFiles:
-    """Open (creating and preallocating) page files; positioned I/O of one slot."""
+    """Open page files of one store, positioned I/O of runs of slots."""
 
-    def __init__(self, paths: Sequence[str], o_direct: bool, fsync: bool) -> None:
-        self.paths = tuple(paths)
+    def __init__(
+        self,
+        prefix: str,
+        geometry: Geometry,
+        dirs: dict[str, str],
+        resolve: Callable[[int], Optional[FileRecord]],
+        o_direct: bool,
+        fsync: bool,
+    ) -> None:
+        """``dirs``: directory id -> the store's directory there; ``resolve``: the
+        index's record of a file number (None if it has none)."""
+        self.prefix = prefix
+        self.geometry = geometry
+        self.dirs = dict(dirs)
+        self._resolve = resolve
         self.o_direct = o_direct and hasattr(os, "O_DIRECT")
         self.fsync = fsync
-        self._fds: dict[tuple[int, int], tuple[int, int]] = {}
+        self._open: dict[int, _Open] = {}
         self._lock = threading.Lock()
-        for p in self.paths:
-            os.makedirs(p, exist_ok=True)
+        for d in self.dirs.values():
+            os.makedirs(d, exist_ok=True)
 
-    def file_path(self, cls: SlotClass, file_no: int) -> str:
-        d = self.paths[file_no % len(self.paths)]
-        return os.path.join(d, f"c{cls.name}", f"f{file_no:06d}.slots")
+    # -- naming --------------------------------------------------------------------
 
-    def locate(self, cls: SlotClass, slot: int) -> tuple[int, int]:
-        """(file number, byte offset) of a slot."""
-        return slot // cls.slots_per_file, (slot % cls.slots_per_file) * cls.slot_size
+    def path(self, file_no: int, dir_id: str) -> str:
+        return os.path.join(self.dirs[dir_id], f"f{file_no:06d}.pages")
 
-    def _open(self, cls: SlotClass, file_no: int) -> tuple[int, int]:
-        """(buffered fd, O_DIRECT fd or -1), created and preallocated on first use."""
-        key = (cls.page_bytes, file_no)
-        fds = self._fds.get(key)
-        if fds is not None:
-            return fds
-        with self._lock:
-            fds = self._fds.get(key)
-            if fds is not None:
-                return fds
-            path = self.file_path(cls, file_no)
+    def header(self, file_no: int, uid: str) -> bytes:
+        g = self.geometry
+        doc = {"magic": MAGIC, "format": FORMAT, "prefix": self.prefix, "store": g.store_id, "file": file_no,
+               "uid": uid, "region_bytes": g.region_bytes, "regions_per_file": g.regions_per_file}
+        raw = json.dumps(doc, sort_keys=True).encode()
+        return raw + b"\0" * (HEADER_BYTES - len(raw))
+
+    # -- files -----------------------------------------------------------------------
+
+    def create(self, file_no: int, dir_id: str, uid: str) -> None:
+        """Write a new page file (header only; regions get space when allocated).
+        Anything left at its path is not in the index, so it is replaced."""
+        final = self.path(file_no, dir_id)
+        tmp = f"{final}.{os.getpid()}.{threading.get_ident()}.tmp"
+        try:
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                os.pwrite(fd, self.header(file_no, uid), 0)
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, final)
+        except OSError as e:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise PageIOError(e.errno, f"cannot create page file {final}: {e.strerror}") from e
+
+    def remove(self, file_no: int, dir_id: str) -> None:
+        """Remove a file the index does not (or no longer) account for."""
+        self.forget(file_no)
+        path = self.path(file_no, dir_id)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise PageIOError(e.errno, f"cannot remove {path}, which the index does not account for: {e.strerror}") from e
+
+    def _handle(self, file_no: int) -> _Open:
+        h = self._open.get(file_no)
+        if h is not None:
+            return h
+        with self._lock:
+            h = self._open.get(file_no)
+            if h is not None:
+                return h
+            rec = self._resolve(file_no)
+            if rec is None or rec.state == "l":
+                raise FileGone(errno.ENOENT, f"page file {file_no} is not in the index")
+            if rec.state != "r":
+                raise PageIOError(errno.EAGAIN, f"page file {file_no} is still being created")
+            if rec.dir_id not in self.dirs:
+                raise PageIOError(errno.ENOENT, f"page file {file_no} lives in directory {rec.dir_id}, which this process does not have")
+            path = self.path(file_no, rec.dir_id)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            except FileNotFoundError as e:
+                raise FileGone(errno.ENOENT, f"page file {path} was deleted") from e
+            except IsADirectoryError as e:
+                raise FileGone(errno.EISDIR, f"page file {path} was replaced by a directory") from e
             except OSError as e:
                 raise PageIOError(e.errno, f"cannot open page file {path}: {e.strerror}") from e
             try:
-                if os.fstat(fd).st_size < cls.file_bytes:
-                    os.posix_fallocate(fd, 0, cls.file_bytes)
-            except OSError as e:
+                self._check_header(fd, path, file_no, rec.uid)
+                dfd = -1
+                if self.o_direct:
+                    try:
+                        dfd = os.open(path, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC)
+                    except OSError as e:
+                        if e.errno != errno.EINVAL:
+                            raise PageIOError(e.errno, f"cannot open {path}: {e.strerror}") from e
+                h = _Open(fd, dfd, os.fstat(fd).st_ino, path)
+            except BaseException:
                 os.close(fd)
-                raise PageIOError(e.errno, f"cannot preallocate {path}: {e.strerror}") from e
-            dfd = -1
-            if self.o_direct:
-                try:
-                    dfd = os.open(path, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC)
-                except OSError as e:
-                    if e.errno != errno.EINVAL:
-                        raise PageIOError(e.errno, f"cannot open {path}: {e.strerror}") from e
-            self._fds[key] = (fd, dfd)
-            return fd, dfd
+                raise
+            self._open[file_no] = h
+            return h
 
-    def write_slot(self, cls: SlotClass, slot: int, data: Sequence[memoryview], nbytes: int, aligned: bool) -> None:
-        """Write a page (``nbytes`` in ``data``) into a slot with one pwritev."""
-        self._io("write", cls, slot, data, nbytes, aligned)
-
-    def read_slot(self, cls: SlotClass, slot: int, data: Sequence[memoryview], nbytes: int, aligned: bool) -> None:
-        """Read a slot's page (``nbytes`` into ``data``) with one preadv."""
-        self._io("read", cls, slot, data, nbytes, aligned)
-
-    def _io(self, op: str, cls: SlotClass, slot: int, data: Sequence[memoryview], nbytes: int, aligned: bool) -> None:
-        file_no, off = self.locate(cls, slot)
-        fd, dfd = self._open(cls, file_no)
-        use_fd = dfd if aligned and dfd >= 0 else fd
+    def _check_header(self, fd: int, path: str, file_no: int, uid: str) -> None:
         try:
-            if op == "read":
-                n = os.preadv(use_fd, data, off)
-            else:
-                n = _pwritev_all(use_fd, data, off, nbytes)
-                if self.fsync:
-                    os.fdatasync(use_fd)
+            raw = os.pread(fd, HEADER_BYTES, 0)
         except OSError as e:
-            raise PageIOError(e.errno, f"{op} of slot {slot} in {self.file_path(cls, file_no)} failed: {e.strerror}") from e
-        if n != nbytes:
-            raise PageIOError(errno.EIO, f"short {op} of slot {slot} ({n} of {nbytes} bytes)")
+            raise PageIOError(e.errno, f"cannot read the header of {path}: {e.strerror}") from e
+        if raw != self.header(file_no, uid):
+            raise FileGone(errno.ESTALE, f"{path} is not page file {file_no} (uid {uid}) of store {self.geometry.store_id}")
 
-    def files(self) -> list[str]:
-        """Every page file on disk, for checks and tests."""
-        out: list[str] = []
-        for d in self.paths:
-            for root, _, names in os.walk(d):
-                out.extend(os.path.join(root, n) for n in names if n.endswith(".slots"))
-        return sorted(out)
+    def ensure_open(self, file_no: int) -> None:
+        """Open a file now (raising FileGone if it is not the one the index names)."""
+        self._handle(file_no)
+
+    def forget(self, file_no: int) -> None:
+        """Close a file (it is gone, or is being removed)."""
+        with self._lock:
+            h = self._open.pop(file_no, None)
+        if h is not None:
+            for f in (h.fd, h.dfd):
+                if f >= 0:
+                    os.close(f)
+
+    def still_there(self, file_no: int) -> None:
+        """Raise FileGone if the file's path no longer leads to the inode we use."""
+        h = self._open.get(file_no)
+        if h is None:
+            return
+        try:
+            ino = os.stat(h.path).st_ino
+        except FileNotFoundError:
+            ino = -1
+        except OSError as e:
+            raise PageIOError(e.errno, f"cannot stat {h.path}: {e.strerror}") from e
+        if ino != h.ino:
+            raise FileGone(errno.ESTALE, f"page file {h.path} was deleted or replaced")
+
+    def open_files(self) -> list[int]:
+        return list(self._open)
+
+    # -- space -------------------------------------------------------------------------
+
+    def allocate(self, region: int) -> None:
+        """Give a region disk space (it was a hole)."""
+        h = self._handle(self.geometry.file_of(region))
+        try:
+            os.posix_fallocate(h.fd, self.geometry.region_offset(region), self.geometry.region_bytes)
+        except OSError as e:
+            raise PageIOError(e.errno, f"cannot allocate region {region} in {h.path}: {e.strerror}") from e
+
+    def punch(self, region: int) -> None:
+        """Return a region's disk space (it became a hole)."""
+        h = self._handle(self.geometry.file_of(region))
+        off, n = self.geometry.region_offset(region), self.geometry.region_bytes
+        if _libc.fallocate(h.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, off, n) != 0:
+            e = ctypes.get_errno()
+            raise PageIOError(e, f"cannot punch region {region} out of {h.path}: {os.strerror(e)}")
+
+    # -- I/O ---------------------------------------------------------------------------
+
+    def read(self, file_no: int, offset: int, bufs: Sequence[memoryview], nbytes: int, aligned: bool) -> None:
+        """Read ``nbytes`` at ``offset`` into ``bufs`` (adjacent slots) with one preadv."""
+        h = self._handle(file_no)
+        fd = h.dfd if aligned and h.dfd >= 0 else h.fd
+        try:
+            n = os.preadv(fd, bufs, offset)
+        except OSError as e:
+            raise PageIOError(e.errno, f"read at {offset} of {h.path} failed: {e.strerror}") from e
+        if n != nbytes:
+            raise FileGone(errno.ESTALE, f"short read at {offset} of {h.path} ({n} of {nbytes} bytes): the file was truncated")
+
+    def write(self, file_no: int, offset: int, bufs: Sequence[memoryview], nbytes: int, aligned: bool) -> None:
+        """Write ``bufs`` (``nbytes``, adjacent slots) at ``offset`` with one pwritev."""
+        h = self._handle(file_no)
+        fd = h.dfd if aligned and h.dfd >= 0 else h.fd
+        try:
+            n = _pwritev_all(fd, bufs, offset, nbytes)
+        except OSError as e:
+            raise PageIOError(e.errno, f"write at {offset} of {h.path} failed: {e.strerror}") from e
+        if n != nbytes:
+            raise PageIOError(errno.EIO, f"short write at {offset} of {h.path} ({n} of {nbytes} bytes)")
+
+    def sync(self, file_no: int) -> None:
+        h = self._handle(file_no)
+        try:
+            os.fdatasync(h.fd)
+        except OSError as e:
+            raise PageIOError(e.errno, f"fdatasync of {h.path} failed: {e.strerror}") from e
+
+    # -- listing -----------------------------------------------------------------------
+
+    def on_disk(self) -> dict[int, list[tuple[str, str]]]:
+        """Page files (regular files named like one) in our directories:
+        number -> [(directory id, path)]."""
+        out: dict[int, list[tuple[str, str]]] = {}
+        for dir_id, d in self.dirs.items():
+            try:
+                entries = list(os.scandir(d))
+            except FileNotFoundError:
+                continue
+            for entry in entries:
+                m = _FILE_RE.match(entry.name)
+                if m and entry.is_file(follow_symlinks=False):
+                    out.setdefault(int(m.group(1)), []).append((dir_id, entry.path))
+        return out
 
     def close(self) -> None:
-        with self._lock:
-            for fd, dfd in self._fds.values():
-                for f in (fd, dfd):
-                    if f >= 0:
-                        os.close(f)
-            self._fds.clear()
+        for f in list(self._open):
+            self.forget(f)
 
 
 def _pwritev_all(fd: int, bufs: Sequence[memoryview], off: int, length: int) -> int:
-    """pwritev, finishing a partial write (signal, near-full disk) once with pwrite."""
+    """pwritev, finishing a partial write (signal, near-full disk) with pwrite."""
     n = os.pwritev(fd, bufs, off)
     if n == length or n <= 0:
         return n

@@ -1,120 +1,244 @@
-"""The store: keys to verified page bytes, over the Redis index and page files.
+"""The store: keys to verified page bytes, over the index, the allocator and page files.
 
-Owns namespaces, the write protocol and verification; knows nothing of SGLang.
+Owns namespaces, the read and write protocols and verification; knows nothing of
+SGLang and needs no torch (its tests run over plain byte buffers).
 
-- probe: one MGET of entry keys.
-- read: one MGET, then a parallel preadv of each page straight into the caller's
-  buffers; a page is a hit only if its bytes hash to the committed checksum (hashed
-  by the caller's thread as pages arrive). Anything else is a miss and the entry is
-  dropped (conditionally: only if it still holds what was read). Only the leading
-  run of present keys is read, as SGLang uses no more.
-- write: RESERVE (slots pending, never evicted) -> parallel pwritev, the caller's
-  thread hashing the pages meanwhile -> FINISH (commit with the checksums, or free /
-  quarantine the slot). A crash before FINISH leaves only a pending slot,
-  reclaimed when its lease expires; nothing is visible.
+- probe: one HMGET per shard, in one round trip.
+- read: the same HMGET, then the leading run of present pages is read straight into
+  the caller's buffers, pages in adjacent slots coalesced into one ``preadv``, runs
+  spread over the I/O threads. A page is a hit only if its bytes hash to the
+  committed checksum (hashed by the caller's thread as runs arrive). A mismatch drops
+  the entry (conditionally: only if it still holds what was read) once our file
+  handle is shown to be the file the index names; any other failure (EMFILE, EIO, a
+  bug...) is a miss that keeps the entry.
+- write: slots come from this thread's stock (leased, consecutive for one batch);
+  pages are written in coalesced runs while the caller's thread hashes them; then one
+  COMMIT call per shard (one pipelined round trip) publishes them, gives up the slots
+  that failed and refills the stock. Only a write that finds its stock short costs a
+  second call first. A crash before COMMIT leaves leased slots, reclaimed when the
+  lease expires; nothing is visible.
 
-Index trouble raises :class:`IndexUnavailable`; per-page I/O trouble is a miss
-or a failed write, counted and logged here.
+Index trouble raises :class:`IndexUnavailable`; per-page trouble is a miss or a
+failed write, counted and logged here.
 """
 
 from __future__ import annotations
 
 import logging
+import re
+import secrets
 import threading
 import time as mod_time
-from dataclasses import dataclass
-from typing import Callable, Mapping, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import xxhash
 
+from sglang_tierstore import home
+from sglang_tierstore.allocator import EXISTS, STORED, Allocator, CommitResult, keep_free_regions, slots_per_region
+from sglang_tierstore.check import check as check_store
 from sglang_tierstore.config import TierStoreConfig
-from sglang_tierstore.errors import PageIOError, TierStoreError
-from sglang_tierstore.index import EXISTS, FULL, RedisIndex, entry_fields, format_entry
+from sglang_tierstore.errors import FileGone, IndexUnavailable, PageIOError, StoreDetached, TierStoreError
+from sglang_tierstore.index import RedisIndex
 from sglang_tierstore.io_engine import IOEngine
 from sglang_tierstore.metrics import Metrics, RateLimitedLog
-from sglang_tierstore.pagefile import PageFiles, SlotClass, checksum, round_up
+from sglang_tierstore.pagefile import FileRecord, PageFiles, checksum
+from sglang_tierstore.schema import (
+    ENTRY,
+    SHARD_KEYS,
+    USED,
+    entry_field,
+    meta_key,
+    round_up,
+    shard_of,
+    unpack_entry,
+    unpack_region,
+)
 
 logger = logging.getLogger(__name__)
 
 Regions = Sequence[memoryview]
+IOV_MAX = 1024  # iovecs in one preadv/pwritev
+MAX_RUN_BYTES = 16 << 20  # one coalesced I/O at most; a batch is also spread over the threads
 
 
 @dataclass(frozen=True, slots=True)
 class Namespace:
     """Pages that are byte-compatible: same fingerprint, same page size."""
 
-    ns: str
+    ns: str  # hex id
+    ns_id: bytes  # the 8 bytes that start each entry field
     page_bytes: int
-    cls: SlotClass
     description: str
 
 
-def _fields(raw: Optional[bytes]) -> Optional[tuple[int, int, int, int]]:
-    """An index value's fields, or None if it does not parse (read as a corrupt page)."""
-    try:
-        return entry_fields(raw) if raw is not None else None
-    except ValueError:
-        return None
-
-
-def fingerprint(fields: Mapping[str, object]) -> tuple[str, str]:
-    """(short id, readable description) of everything that makes pages compatible."""
+def fingerprint(fields: Mapping[str, object]) -> tuple[bytes, str]:
+    """(8-byte id, readable description) of everything that makes pages compatible."""
     desc = ",".join(f"{k}={fields[k]}" for k in sorted(fields))
-    return xxhash.xxh3_64_hexdigest(desc.encode()), desc
+    return xxhash.xxh3_64_digest(desc.encode()), desc
+
+
+def _glob_escape(raw: bytes) -> bytes:
+    return re.sub(rb"([\\*?\[\]])", rb"\\\1", raw)
+
+
+@dataclass
+class _Attached:
+    """One attachment to a store: what every operation works against."""
+
+    att: home.Attachment
+    alloc: Allocator
+    files: PageFiles
+    records: dict[int, FileRecord] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+_Page = tuple[int, int, int]  # (position in the batch, file number, byte offset)
 
 
 class TierStore:
-    """Verified page store over one Redis index and one set of page files."""
+    """Verified page store over one Redis index and one set of page directories."""
 
     def __init__(self, cfg: TierStoreConfig, redis_url: str, clock: Callable[[], float] = mod_time.time) -> None:
         self.cfg = cfg
-        self.index = RedisIndex(redis_url, cfg.redis_prefix, cfg.redis_timeout_s, cfg.redis_retry_s, clock)
-        self.files = PageFiles(cfg.path, cfg.o_direct, cfg.fsync == "commit")
+        self.clock = clock
+        self.index = RedisIndex(redis_url, cfg.redis_timeout_s, cfg.redis_retry_s, clock)
         self.io = IOEngine(cfg.io_threads)
         self.metrics = Metrics()
         self.log = RateLimitedLog(logger, cfg.log_interval_s)
-        self._classes: dict[int, SlotClass] = {}
-        self._touch: dict[str, set[str]] = {}
+        self._token = secrets.token_hex(6)
+        self._att: Optional[_Attached] = None
+        self._att_lock = threading.Lock()
+        self._started = False
+        self._touch: dict[int, dict[int, float]] = {}
+        self._lost: dict[int, str] = {}  # file number -> uid: to be forgotten by housekeeping
+        self._namespaces: dict[str, Namespace] = {}
         self._lock = threading.Lock()
+        try:
+            self.attached()
+        except IndexUnavailable as e:
+            self.log.warning("attach", "index unavailable at start (%s): answering misses until it is back", e)
+
+    # -- attachment ----------------------------------------------------------------
+
+    def attached(self) -> _Attached:
+        """The store this process works on, attaching first if needed."""
+        a = self._att
+        if a is not None:
+            return a
+        with self._att_lock:
+            if self._att is None:
+                cfg = self.cfg
+                att = home.attach(self.index, cfg.redis_prefix, cfg.path, cfg.capacity_bytes, cfg.index_shards,
+                                  startup=not self._started, now=self.clock())
+                self._started = True
+                alloc = Allocator(self.index, att.tag, att.geometry, list(att.dirs), cfg.lease_s, self._token, self.clock)
+                files = PageFiles(cfg.redis_prefix, att.geometry, att.dirs, self.record, cfg.o_direct, cfg.fsync == "commit")
+                self._att = _Attached(att, alloc, files)
+                for ns in list(self._namespaces.values()):
+                    self._register_ns(ns)
+            return self._att
+
+    def detach(self, e: StoreDetached, a: Optional[_Attached] = None) -> None:
+        """Our store is gone from the index: drop the attachment (``a``, or whatever
+        is current); the next call attaches again."""
+        with self._att_lock:
+            if self._att is not None and (a is None or self._att is a):
+                a = self._att
+                self._att = None
+                a.files.close()
+        self.metrics.error("store_detached")
+        self.log.warning("detached", "%s; attaching again", e)
+
+    def record(self, file_no: int) -> Optional[FileRecord]:
+        """The index's record of a page file (cached; refreshed when unknown)."""
+        a = self._att
+        if a is None:
+            return None
+        rec = a.records.get(file_no)
+        if rec is None:
+            shard = a.att.geometry.shard_of_file(file_no)
+            fresh = {f: FileRecord(*v) for f, v in a.alloc.files(shard).items()}
+            with a.lock:
+                a.records.update(fresh)
+            rec = fresh.get(file_no)
+        return rec
 
     # -- namespaces ---------------------------------------------------------------
 
     def namespace(self, fields: Mapping[str, object], page_bytes: int) -> Namespace:
         if page_bytes <= 0:
             raise ValueError(f"page_bytes must be positive, got {page_bytes}")
-        ns, desc = fingerprint({**fields, "page_bytes": page_bytes, "namespace": self.cfg.namespace})
-        return Namespace(ns, page_bytes, self._slot_class(page_bytes), desc)
-
-    def _slot_class(self, page_bytes: int, refresh: bool = False) -> SlotClass:
-        """The class for a page size; its file geometry is whatever Redis recorded first."""
+        ns_id, desc = fingerprint({**fields, "page_bytes": page_bytes, "namespace": self.cfg.namespace})
+        ns = Namespace(ns_id.hex(), ns_id, page_bytes, desc)
         with self._lock:
-            cls = self._classes.get(page_bytes)
-        if cls is not None and not refresh:
-            return cls
-        cls = SlotClass(page_bytes, max(1, self.cfg.file_bytes // round_up(page_bytes)))
+            self._namespaces[ns.ns] = ns
         try:
-            cls = SlotClass(page_bytes, self.index.slots_per_file(cls) or cls.slots_per_file)
+            self._register_ns(ns)
         except TierStoreError:
-            pass  # Redis down: RESERVE re-checks the geometry before any write
-        with self._lock:
-            self._classes[page_bytes] = cls
-        return cls
+            pass  # registered again on the next attach
+        return ns
 
-    def known_classes(self) -> list[SlotClass]:
-        with self._lock:
-            return list(self._classes.values())
+    def _register_ns(self, ns: Namespace) -> None:
+        a = self._att
+        if a is not None:
+            self.index.hset(meta_key(a.att.tag, "ns"), {ns.ns: f"page_bytes={ns.page_bytes};{ns.description}"})
+
+    def namespaces(self) -> dict[str, int]:
+        """Every namespace the store has seen: id -> page bytes."""
+        a = self.attached()
+        out = {}
+        for k, v in self.index.hgetall(meta_key(a.att.tag, "ns")).items():
+            out[k.decode()] = int(v.split(b";", 1)[0].split(b"=")[1])
+        return out
 
     # -- probe --------------------------------------------------------------------
 
+    def _lookup(self, a: _Attached, fields: Sequence[bytes]) -> list[Optional[bytes]]:
+        """Entry values of fields (any shards), one round trip."""
+        shards = a.att.geometry.shards
+        if shards == 1:
+            return self.index.hmget([(a.alloc.keys(0)[1], fields)])[0]
+        parts: list[list[int]] = [[] for _ in range(shards)]
+        for i, f in enumerate(fields):
+            parts[shard_of(f, shards)].append(i)
+        got = self.index.hmget([(a.alloc.keys(s)[1], [fields[i] for i in idx]) for s, idx in enumerate(parts)])
+        out: list[Optional[bytes]] = [None] * len(fields)
+        for idx, vals in zip(parts, got):
+            for i, v in zip(idx, vals):
+                out[i] = v
+        return out
+
     def exists(self, groups: Sequence[tuple[Namespace, Sequence[str]]]) -> list[list[bool]]:
-        """Presence of each key of each (namespace, keys) group, in one MGET."""
-        ekeys = [self.index.entry_key(ns.ns, k) for ns, keys in groups for k in keys]
-        found = self.index.lookup(ekeys)
+        """Presence of each key of each (namespace, keys) group, in one round trip."""
+        a = self.attached()
+        fields = [entry_field(ns.ns_id, k) for ns, keys in groups for k in keys]
+        found = self._lookup(a, fields)
         out, i = [], 0
         for _, keys in groups:
             out.append([v is not None for v in found[i : i + len(keys)]])
             i += len(keys)
         return out
+
+    # -- runs ---------------------------------------------------------------------
+
+    def _runs(self, pages: list[_Page], page_bytes: int, iov_per_page: int) -> list[list[_Page]]:
+        """Pages in adjacent slots of one file, as runs for one preadv/pwritev each,
+        cut so that a batch spreads over the I/O threads."""
+        pages.sort(key=lambda p: (p[1], p[2]))
+        slot = round_up(page_bytes)
+        coalesce = slot == page_bytes
+        total = len(pages) * page_bytes
+        target = max(page_bytes, min(MAX_RUN_BYTES, total // self.io.threads))
+        longest = max(1, min(IOV_MAX // max(1, iov_per_page), target // page_bytes)) if coalesce else 1
+        runs: list[list[_Page]] = []
+        for p in pages:
+            last = runs[-1] if runs else None
+            if last is not None and len(last) < longest and last[-1][1] == p[1] and last[-1][2] + slot == p[2]:
+                last.append(p)
+            else:
+                runs.append([p])
+        return runs
 
     # -- read ---------------------------------------------------------------------
 
@@ -122,47 +246,98 @@ class TierStore:
         """Read the leading run of present keys into ``dests``; True per verified page."""
         self._check_sizes(ns, keys, dests)
         t0 = mod_time.perf_counter()
-        ekeys = [self.index.entry_key(ns.ns, k) for k in keys]
-        raws = self.index.lookup(ekeys)
+        a = self.attached()
+        g = a.att.geometry
+        fields = [entry_field(ns.ns_id, k) for k in keys]
+        raws = self._lookup(a, fields)
         lead = next((i for i, v in enumerate(raws) if v is None), len(raws))
-        # (key position, entry fields or None if unparsable), in slot order: each I/O
-        # thread then reads a run of ascending offsets, sequential where slots are adjacent
-        jobs = sorted(((i, _fields(raws[i])) for i in range(lead)), key=lambda j: j[1][1] if j[1] else -1)
-
-        cls, nbytes = ns.cls, ns.page_bytes
-
-        def read_one(job: tuple[int, Optional[tuple[int, int, int, int]]]) -> bool:
-            """Read a page; False if the entry names no slot of this class."""
-            i, fields = job
-            if fields is None or fields[0] != cls.page_bytes:
-                return False
-            self.files.read_slot(cls, fields[1], dests[i], nbytes, aligned)
-            return True
-
         results = [False] * len(keys)
-        bad: list[tuple[str, bytes]] = []
-        for k, o in self.io.submit(read_one, jobs, nbytes).as_completed():
-            i, fields = jobs[k]
-            if o is True and fields is not None and checksum(dests[i]) == fields[3]:
-                results[i] = True
-                continue
+        entries: dict[int, Any] = {}
+        bad: list[tuple[bytes, bytes]] = []
+        pages: list[_Page] = []
+        per_region = slots_per_region(g.region_bytes, ns.page_bytes)
+        for i in range(lead):
             raw = raws[i]
             assert raw is not None
-            bad.append((ekeys[i], raw))
-            if isinstance(o, BaseException):
-                self._page_error("io_read", o)
-            else:
+            e = unpack_entry(raw) if len(raw) == ENTRY.size else None
+            if e is None or e.slot >= per_region:
+                bad.append((fields[i], raw))  # not an entry this store can have written
                 self.metrics.error("corrupt")
-                self.log.warning("corrupt", "page %s failed verification (stale, torn or rotten slot): dropped", ekeys[i])
+                continue
+            entries[i] = e
+            pages.append((i, g.file_of(e.region), g.slot_offset(e.region, e.slot, ns.page_bytes)))
+        runs = self._runs(pages, ns.page_bytes, len(dests[0]) if dests else 1)
+
+        def read_run(run: list[_Page]) -> None:
+            bufs = [m for p in run for m in dests[p[0]]]
+            a.files.read(run[0][1], run[0][2], bufs, len(run) * ns.page_bytes, aligned)
+
+        for k, o in self.io.submit(read_run, runs, max(1, len(pages) // max(1, len(runs))) * ns.page_bytes).as_completed():
+            run = runs[k]
+            if isinstance(o, BaseException):
+                self._io_failure(a, "io_read", run[0][1], o)
+                continue
+            for i, f, _ in run:
+                if checksum(dests[i]) == entries[i].checksum:
+                    results[i] = True
+                elif self._file_current(a, f):
+                    raw = raws[i]
+                    assert raw is not None
+                    bad.append((fields[i], raw))
+                    self.metrics.error("corrupt")
+                    self.log.warning("corrupt", "page %s failed verification (stale, torn or rotten slot): dropped", fields[i].hex())
         hits = sum(results)
         self.metrics.pages("read", "hit", hits)
         self.metrics.pages("read", "miss", len(keys) - hits)
         self.metrics.bytes("read", hits * ns.page_bytes)
-        self._queue_touch(ns.cls, [k for k, ok in zip(ekeys, results) if ok])
+        self._queue_touch(a, [entries[i].region for i in range(lead) if results[i]])
         if bad:
-            self.index.drop(bad)
+            self._drop(a, bad)
         self.metrics.observe("read", mod_time.perf_counter() - t0)
         return results
+
+    def _file_current(self, a: _Attached, file_no: int) -> bool:
+        """Is our handle on this file the file the index names? (If not, what we read
+        proves nothing about the page.)"""
+        try:
+            a.files.still_there(file_no)
+            return True
+        except FileGone as e:
+            self._file_gone(a, file_no, e)
+        except PageIOError:
+            pass
+        return False
+
+    def _io_failure(self, a: _Attached, kind: str, file_no: int, e: BaseException) -> None:
+        if isinstance(e, FileGone):
+            self._file_gone(a, file_no, e)
+        elif isinstance(e, PageIOError):
+            self.metrics.error(kind)
+            self.log.warning(kind, "%s: %s", kind, e)
+        else:
+            self.metrics.error("internal")
+            self.log.exception(f"internal:{kind}", "unexpected error in %s (the page is a miss and is kept)", kind, exc=e)
+
+    def _file_gone(self, a: _Attached, file_no: int, e: BaseException) -> None:
+        a.files.forget(file_no)
+        a.alloc.invalidate_stocks()
+        rec = a.records.get(file_no)
+        self.metrics.error("file_gone")
+        self.log.warning("file_gone", "%s: its pages are dropped", e)
+        if rec is not None:
+            with self._lock:
+                self._lost[file_no] = rec.uid
+
+    def _drop(self, a: _Attached, entries: Sequence[tuple[bytes, bytes]]) -> int:
+        shards = a.att.geometry.shards
+        parts: dict[int, list[tuple[bytes, bytes]]] = {}
+        for f, v in entries:
+            parts.setdefault(shard_of(f, shards), []).append((f, v))
+        try:
+            return sum(a.alloc.drop(s, part) for s, part in parts.items())
+        except StoreDetached as e:
+            self.detach(e, a)
+            return 0
 
     # -- write --------------------------------------------------------------------
 
@@ -172,112 +347,322 @@ class TierStore:
         if not keys:
             return []
         t0 = mod_time.perf_counter()
-        ekeys = [self.index.entry_key(ns.ns, k) for k in keys]
-        cls = ns.cls
+        a = self.attached()
         try:
-            gen0, evicted, slots = self.index.reserve(cls, ekeys, self.cfg.lease_s, self.cfg.capacity_bytes)
-        except TierStoreError as e:
-            if "slots_per_file" not in str(e):
-                raise
-            cls = self._slot_class(cls.page_bytes, refresh=True)
-            gen0, evicted, slots = self.index.reserve(cls, ekeys, self.cfg.lease_s, self.cfg.capacity_bytes)
-        self.metrics.housekeeping("evicted", evicted)
-        results = [s == EXISTS for s in slots]
-        jobs: list[tuple[int, int, int]] = []
-        for i, s in enumerate(slots):
-            if s >= 0:
-                jobs.append((i, s, gen0 + len(jobs)))
-        jobs.sort(key=lambda j: j[1])  # ascending offsets per I/O thread, as in read()
-
-        def write_one(job: tuple[int, int, int]) -> None:
-            self.files.write_slot(cls, job[1], srcs[job[0]], ns.page_bytes, aligned)
-
-        batch = self.io.submit(write_one, jobs, ns.page_bytes)
-        sums = [checksum(srcs[i]) for i, _, _ in jobs]  # while the pages are being written
-        ops = []
-        for (i, slot, gen), cks, o in zip(jobs, sums, batch.results()):
-            if isinstance(o, BaseException):
-                self._page_error("io_write", o)
-                ops.append((ekeys[i], "q" if isinstance(o, PageIOError) else "f", slot, b""))
-            else:
-                ops.append((ekeys[i], "c", slot, format_entry(cls.page_bytes, slot, gen, cks)))
-        written = 0
-        for (i, _, _), op, ok in zip(jobs, ops, self.index.finish(cls, gen0, ops)):
-            results[i] = ok
-            written += ok and op[1] == "c"
-        self.metrics.pages("write", "stored", written)
-        self.metrics.pages("write", "exists", slots.count(EXISTS))
-        full = slots.count(FULL)
-        self.metrics.pages("write", "full", full)
+            results = self._write(a, ns, keys, srcs, aligned)
+        except StoreDetached as e:
+            self.detach(e, a)
+            results = [False] * len(keys)
         self.metrics.pages("write", "failed", len(keys) - sum(results))
-        self.metrics.bytes("write", written * ns.page_bytes)
-        if full:
-            self.log.warning("full", "no slot for %d page(s) of %d bytes: capacity in use by other slot classes", full, ns.page_bytes)
-        self._queue_touch(cls, [k for k, s in zip(ekeys, slots) if s == EXISTS])
         self.metrics.observe("write", mod_time.perf_counter() - t0)
         return results
 
+    def _stock_target(self, a: _Attached, page_bytes: int, n: int) -> int:
+        """Slots to keep in stock after a batch of ``n``: the same again, but never more
+        than 1/16 of the shard's capacity (a stock holds space while it waits)."""
+        g = a.att.geometry
+        share = self.cfg.capacity_bytes // g.shards // 16
+        return max(1, min(n, share // round_up(page_bytes)))
+
+    def _write(self, a: _Attached, ns: Namespace, keys: Sequence[str], srcs: Sequence[Regions], aligned: bool) -> list[bool]:
+        g, alloc = a.att.geometry, a.alloc
+        pb = ns.page_bytes
+        fields = [entry_field(ns.ns_id, k) for k in keys]
+        parts: dict[int, list[int]] = {}
+        for i, f in enumerate(fields):
+            parts.setdefault(shard_of(f, g.shards), []).append(i)
+        self._fill_stock(a, pb, {s: len(idx) for s, idx in parts.items()})
+        slots: dict[int, tuple[int, int]] = {}
+        for s, idx in parts.items():
+            slots.update(zip(idx, alloc.take(s, pb, len(idx))))
+        pages = [(i, g.file_of(r), g.slot_offset(r, sl, pb)) for i, (r, sl) in slots.items()]
+        runs = self._runs(pages, pb, len(srcs[0]))
+
+        def write_run(run: list[_Page]) -> None:
+            bufs = [m for p in run for m in srcs[p[0]]]
+            a.files.write(run[0][1], run[0][2], bufs, len(run) * pb, aligned)
+
+        batch = self.io.submit(write_run, runs, max(1, len(pages) // max(1, len(runs))) * pb)
+        sums = {i: checksum(srcs[i]).to_bytes(8, "little") for i in slots}  # while the pages are being written
+        failed: set[int] = set()
+        touched: set[int] = set()
+        for run, o in zip(runs, batch.results()):
+            if isinstance(o, BaseException):
+                self._io_failure(a, "io_write", run[0][1], o)
+                failed.update(p[0] for p in run)
+            else:
+                touched.add(run[0][1])
+        for file_no in touched:  # a file deleted or replaced under us must not take commits
+            try:
+                a.files.still_there(file_no)
+                if self.cfg.fsync == "commit":
+                    a.files.sync(file_no)
+            except PageIOError as e:
+                self._io_failure(a, "io_write", file_no, e)
+                failed.update(p[0] for run in runs if run[0][1] == file_no for p in run)
+        calls: list[tuple[int, list[int], list[tuple[int, int, bytes, bytes]], list[tuple[int, int]], list[tuple[int, int]]]] = []
+        for s, idx in parts.items():
+            done = [i for i in idx if i in slots and i not in failed]
+            commits = [(*slots[i], fields[i], sums[i]) for i in done]
+            give_up = [slots[i] for i in idx if i in failed]
+            calls.append((s, done, commits, give_up, [(pb, self._stock_target(a, pb, len(idx)))]))
+        try:
+            outs = alloc.commit_many([(s, c, gu, rf) for s, _, c, gu, rf in calls])
+        except IndexUnavailable:
+            for s in parts:
+                alloc.forget_stock(s)  # the next COMMIT returns the lease as Redis has it
+            raise
+        results = [False] * len(keys)
+        status: list[int] = []
+        for (s, done, _, _, _), res in zip(calls, outs):
+            for i, st in zip(done, res.status):
+                results[i] = st in (STORED, EXISTS)
+            status += res.status
+            self._after_commit(a, s, res)
+        full = len(keys) - len(slots)
+        self.metrics.pages("write", "stored", status.count(STORED))
+        self.metrics.pages("write", "exists", status.count(EXISTS))
+        self.metrics.pages("write", "full", full)
+        self.metrics.bytes("write", status.count(STORED) * pb)
+        if full:
+            self.log.warning("full", "no slot for %d page(s) of %d bytes (every region pinned by writers, or pages larger "
+                             "than the store's %d-byte regions)", full, pb, g.region_bytes)
+        return results
+
+    def _fill_stock(self, a: _Attached, page_bytes: int, need: Mapping[int, int]) -> None:
+        """Make this thread's stock hold ``need[shard]`` slots of this size where it can
+        (one COMMIT call for all short shards; more only to add a page file)."""
+        alloc = a.alloc
+        for _ in range(4):
+            short = [s for s, n in need.items() if alloc.stocked(s, page_bytes) < n]
+            if not short:
+                return
+            outs = alloc.commit_many([(s, [], [], [(page_bytes, need[s])]) for s in short])
+            retry = False
+            for s, res in zip(short, outs):
+                self._after_commit(a, s, res)
+                if res.too_big:
+                    self.metrics.pages("write", "too_big", need[s])
+                    return
+                if res.need_file:
+                    self._add_file(a, s)
+                    retry = True
+            if not retry:
+                return
+
+    def _after_commit(self, a: _Attached, shard: int, res: CommitResult) -> None:
+        self.metrics.housekeeping("evicted", res.evicted)
+        self.metrics.housekeeping("pages_evicted", res.pages_evicted)
+        for r in res.fresh:  # regions that were holes: give them disk space before use
+            try:
+                a.files.allocate(r)
+            except PageIOError as e:
+                self._io_failure(a, "allocate", a.att.geometry.file_of(r), e)
+
+    def _add_file(self, a: _Attached, shard: int) -> None:
+        """A new page file for a shard that has no region left without one."""
+        f, dir_id, uid = a.alloc.add_file(shard)
+        try:
+            a.files.create(f, dir_id, uid)
+        except PageIOError as e:
+            self._io_failure(a, "create_file", f, e)
+            a.alloc.lose_file(shard, f, uid, 0)
+            return
+        if not a.alloc.file_ready(shard, f, uid):
+            a.files.remove(f, dir_id)
+            return
+        with a.lock:
+            a.records[f] = FileRecord(dir_id, uid, "r")
+        self.metrics.housekeeping("files_added", 1)
+
     # -- housekeeping -------------------------------------------------------------
 
-    def _queue_touch(self, cls: SlotClass, ekeys: list[str]) -> None:
-        if ekeys:
+    def _queue_touch(self, a: _Attached, regions: list[int]) -> None:
+        if regions:
+            now = self.clock()
+            g = a.att.geometry
             with self._lock:
-                self._touch.setdefault(cls.name, set()).update(ekeys)
+                for r in regions:
+                    self._touch.setdefault(g.shard_of_region(r), {})[r] = now
 
     def flush_touches(self) -> None:
-        """Send batched recency updates: one ZADD XX per slot class."""
+        """Send batched recency updates: one ZADD XX GT per shard."""
+        a = self.attached()
         with self._lock:
             pending, self._touch = self._touch, {}
-        for name, keys in pending.items():
-            self.index.touch(name, keys)
+        for shard, regions in pending.items():
+            self.index.zadd_newer(a.alloc.keys(shard)[SHARD_KEYS.index("lru")], regions)
+
+    def sweep(self, max_work: int) -> int:
+        """One housekeeping pass of the allocator over every shard: expired leases,
+        shrinking to capacity, free regions ahead of need. Returns work done."""
+        a = self.attached()
+        g = a.att.geometry
+        work = 0
+        for s in range(g.shards):
+            keep = keep_free_regions(self.cfg.free_target, g.capacity_share(self.cfg.capacity_bytes, s))
+            try:
+                expired, slots, evicted, pages, dealloc = a.alloc.sweep(s, keep, max_work)
+            except StoreDetached as e:
+                self.detach(e, a)
+                return work
+            self.metrics.housekeeping("leases_expired", expired)
+            self.metrics.housekeeping("slots_reclaimed", slots)
+            self.metrics.housekeeping("evicted", evicted)
+            self.metrics.housekeeping("pages_evicted", pages)
+            self.metrics.housekeeping("deallocated", len(dealloc))
+            if dealloc:
+                a.alloc.invalidate_stocks()  # shrinking may have taken leased regions
+            for r in dealloc:
+                try:
+                    a.files.punch(r)
+                except PageIOError as e:
+                    self._io_failure(a, "punch", g.file_of(r), e)
+            work += expired + evicted + len(dealloc)
+        return work
+
+    def forget_lost_files(self, max_work: int) -> None:
+        """Forget page files found gone: drop their pages, give back their capacity."""
+        a = self.attached()
+        with self._lock:
+            lost, self._lost = self._lost, {}
+        for f, uid in lost.items():
+            shard = a.att.geometry.shard_of_file(f)
+            left, pages = a.alloc.lose_file(shard, f, uid, max_work)
+            a.alloc.invalidate_stocks()
+            self.metrics.housekeeping("pages_lost", pages)
+            if left:
+                with self._lock:
+                    self._lost[f] = uid
+                continue
+            with a.lock:
+                rec = a.records.pop(f, None)
+            if rec is not None and rec.dir_id in a.files.dirs:
+                try:  # whatever is at its path now is not a file of this store
+                    a.files.remove(f, rec.dir_id)
+                except PageIOError as e:
+                    self._io_failure(a, "remove_file", f, e)
+            self.log.warning("file_forgotten", "page file %d forgotten (%d pages dropped)", f, pages)
+
+    def audit_files(self, dir_retire_s: float) -> None:
+        """Compare our files with the index: deleted or replaced files, files the index
+        does not know, directories no process has any more."""
+        a = self.attached()
+        g = a.att.geometry
+        for f in a.files.open_files():
+            self._file_current(a, f)
+        on_disk = a.files.on_disk()  # before the records: a file is recorded before it is created
+        records: dict[int, FileRecord] = {}
+        for s in range(g.shards):
+            records.update({f: FileRecord(*v) for f, v in a.alloc.files(s).items()})
+        with a.lock:
+            a.records = dict(records)
+        for f, where in on_disk.items():
+            rec = records.get(f)
+            for dir_id, _ in where:
+                if rec is None or rec.dir_id != dir_id or rec.state == "l":
+                    try:
+                        a.files.remove(f, dir_id)
+                        self.metrics.housekeeping("files_removed", 1)
+                    except PageIOError as e:
+                        self._io_failure(a, "remove_file", f, e)
+        for f, rec in records.items():
+            if rec.state == "r" and rec.dir_id in a.files.dirs and f not in a.files.open_files():
+                try:
+                    a.files.ensure_open(f)
+                except FileGone as e:
+                    self._file_gone(a, f, e)
+                except PageIOError:
+                    pass
+        now = self.clock()
+        home.report_dirs(self.index, a.att.tag, a.att.dirs, now)
+        for dir_id in home.retired_dirs(self.index, a.att.tag, list(a.att.dirs), now - dir_retire_s):
+            with self._lock:
+                self._lost.update({f: rec.uid for f, rec in records.items() if rec.dir_id == dir_id})
+            if not any(rec.dir_id == dir_id for rec in records.values()):
+                home.forget_dir(self.index, a.att.tag, dir_id)
+                self.log.warning("dir_retired", "directory %s of the store was not seen for %.0f s: forgotten", dir_id, dir_retire_s)
+
+    # -- operator calls -----------------------------------------------------------
+
+    def check(self, fix: bool = False, verify_pages: bool = True) -> list[str]:
+        """Compare the index with itself and the page files (see :mod:`check`)."""
+        return check_store(self, fix, verify_pages)
+
+    def set_capacity(self, capacity: int) -> None:
+        """Change the store's capacity (bytes) while running: housekeeping in every
+        process evicts down to it and punches the space out of the files."""
+        a = self.attached()
+        home.set_capacity(self.index, a.att.tag, a.att.geometry, capacity)
+        self.cfg = self.cfg.with_capacity(capacity)
 
     def clear(self, namespaces: Sequence[Namespace]) -> int:
         """Drop every page of these namespaces; returns how many."""
+        a = self.attached()
         n = 0
-        for ns in {x.ns for x in namespaces}:
-            keys = self.index.namespace_keys(ns)
-            for i in range(0, len(keys), 512):
-                n += self.index.drop([(k, b"") for k in keys[i : i + 512]])
+        for ns_id in {x.ns_id for x in namespaces}:
+            pattern = _glob_escape(ns_id) + b"*"
+            for s in range(a.att.geometry.shards):
+                key = a.alloc.keys(s)[SHARD_KEYS.index("entries")]
+                cursor = 0
+                while True:
+                    cursor, chunk = self.index.hscan(key, cursor, 1000, match=pattern)
+                    n += a.alloc.drop(s, [(f, b"") for f in chunk if f.startswith(ns_id)])
+                    if cursor == 0:
+                        break
         return n
 
-    def check(self, fix: bool = False) -> list[str]:
-        """Compare index and page files; with ``fix``, drop what does not verify."""
-        problems: list[str] = []
-        for page_bytes in self.index.classes():
-            cls = self._slot_class(page_bytes, refresh=True)
-            u = self.index.usage(cls)
-            accounted = u["free"] + u["pending"] + u["pages"] + u["quarantined"]
-            if accounted != u["slots"]:
-                problems.append(f"class {page_bytes}: {u['slots']} slots allocated but {accounted} accounted for")
-            members = [m.decode() for m in self.index.lru_members(cls)]
-            raws = self.index.lookup(members)
-            bad = []
-            for ekey, raw in zip(members, raws):
-                why = "no entry" if raw is None else self._verify_slot(cls, _fields(raw))
-                if why:
-                    problems.append(f"{ekey}: {why}")
-                    bad.append((ekey, raw or b""))
-            if fix:
-                self.index.drop(bad)
-        return problems
+    def where(self, ns: Namespace, key: str) -> Optional[tuple[str, int, int]]:
+        """(page file, byte offset, region) of a committed page, or None."""
+        a = self.attached()
+        raw = self._lookup(a, [entry_field(ns.ns_id, key)])[0]
+        if raw is None:
+            return None
+        e = unpack_entry(raw)
+        g = a.att.geometry
+        rec = self.record(g.file_of(e.region))
+        if rec is None or rec.dir_id not in a.files.dirs:
+            return None
+        return a.files.path(g.file_of(e.region), rec.dir_id), g.slot_offset(e.region, e.slot, ns.page_bytes), e.region
 
-    def _verify_slot(self, cls: SlotClass, fields: Optional[tuple[int, int, int, int]]) -> Optional[str]:
-        if fields is None:
-            return "unparsable entry"
-        page_bytes, slot, _, cks = fields
-        if page_bytes != cls.page_bytes:
-            return f"entry names class {page_bytes}"
-        data = bytearray(page_bytes)
-        try:
-            self.files.read_slot(cls, slot, [memoryview(data)], page_bytes, False)
-        except PageIOError as err:
-            return f"unreadable: {err}"
-        return None if checksum([memoryview(data)]) == cks else "checksum mismatch"
+    def usage(self) -> dict[str, int]:
+        """Regions and capacity over every shard (see ``Allocator.counts``)."""
+        a = self.attached()
+        total: dict[str, int] = {}
+        for s in range(a.att.geometry.shards):
+            for k, v in a.alloc.counts(s).items():
+                total[k] = total.get(k, 0) + v
+        total["region_bytes"] = a.att.geometry.region_bytes
+        total["allocated_bytes"] = total["allocated_regions"] * a.att.geometry.region_bytes
+        total["capacity_bytes"] = total["capacity_regions"] * a.att.geometry.region_bytes
+        total["pages"] = sum(self.index.hlen(a.alloc.keys(s)[1]) for s in range(a.att.geometry.shards))
+        return total
+
+    def page_sizes(self) -> dict[int, dict[str, int]]:
+        """Regions in use and their slots, by page size: each size's share of the store.
+        Streams the region records (HSCAN, bounded steps)."""
+        a = self.attached()
+        out: dict[int, dict[str, int]] = {}
+        for s in range(a.att.geometry.shards):
+            key, cursor = a.alloc.keys(s)[SHARD_KEYS.index("regions")], 0
+            while True:
+                cursor, chunk = self.index.hscan(key, cursor, 1000)
+                for raw in chunk.values():
+                    reg = unpack_region(raw)
+                    if reg.state == USED:
+                        d = out.setdefault(reg.page_bytes, {"regions": 0, "live": 0, "leased": 0, "dead": 0})
+                        d["regions"] += 1
+                        d["live"] += reg.live
+                        d["leased"] += reg.leased
+                        d["dead"] += reg.fill - reg.live - reg.leased
+                if cursor == 0:
+                    break
+        return out
 
     def stats(self) -> dict[str, object]:
         out: dict[str, object] = dict(self.metrics.snapshot())
         try:
-            out["classes"] = {c.name: self.index.usage(c) for c in self.known_classes()}
+            out["usage"] = self.usage()
         except TierStoreError:
             pass
         return out
@@ -288,19 +673,18 @@ class TierStore:
         if len(keys) != len(bufs):
             raise ValueError(f"{len(keys)} keys but {len(bufs)} page buffers")
         for k, regions in zip(keys, bufs):
-            if sum(map(len, regions)) != ns.page_bytes:
-                n = sum(map(len, regions))
+            n = sum(map(len, regions))
+            if n != ns.page_bytes:
                 raise ValueError(f"page buffer for key {k!r} has {n} bytes, namespace pages have {ns.page_bytes}")
 
-    def _page_error(self, kind: str, e: BaseException) -> None:
-        self.metrics.error(kind)
-        self.log.warning(kind, "%s: %s", kind, e)
-
     def close(self) -> None:
-        try:
-            self.flush_touches()
-        except TierStoreError:
-            pass
+        a = self._att
+        if a is not None:
+            try:
+                self.flush_touches()
+                a.alloc.release_all()
+            except TierStoreError:
+                pass
+            a.files.close()
         self.io.close()
-        self.files.close()
         self.index.close()

@@ -93,15 +93,21 @@ def extra(tmp_path: Path, redis_proc: RedisProc) -> dict[str, Any]:
         "redis_prefix": "t-" + uuid.uuid4().hex[:12],
         "path": str(tmp_path / "store"),
         "capacity_gb": 0.25,
-        "file_size_mb": 4,
         "io_threads": 4,
     }
+
+
+def keys(n: int, tag: str = "k") -> list[str]:
+    """SGLang-like page keys: 64-hex SHA-256 strings."""
+    import hashlib
+
+    return [hashlib.sha256(f"{tag}{i}".encode()).hexdigest() for i in range(n)]
 
 
 def page_files_bytes(path: str) -> int:
     total = 0
     for root, _, names in os.walk(path):
         for n in names:
-            if n.endswith(".slots"):
+            if n.endswith(".pages"):
                 total += os.stat(os.path.join(root, n)).st_blocks * 512
     return total

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from conftest import keys  # noqa: F401  (re-exported for the tests)
+
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
@@ -40,10 +42,10 @@ def fill(pool: Any, seed: int) -> None:
 
 
 def storage_config(extra: dict[str, Any], mla: bool = False, tp_rank: int = 0, tp_size: int = 1,
-                   model: Optional[str] = "test/model") -> HiCacheStorageConfig:
+                   model: Optional[str] = "test/model", metrics: bool = False) -> HiCacheStorageConfig:
     return HiCacheStorageConfig(
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-        is_mla_model=mla, enable_storage_metrics=False, is_page_first_layout=True,
+        is_mla_model=mla, enable_storage_metrics=metrics, is_page_first_layout=True,
         model_name=model, extra_config=dict(extra),
     )
 
@@ -57,7 +59,3 @@ def page_bytes(pool: Any, page: int) -> bytes:
     return pool.get_data_page(page * pool.page_size, flat=True).contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def keys(n: int, tag: str = "k") -> list[str]:
-    import hashlib
-
-    return [hashlib.sha256(f"{tag}{i}".encode()).hexdigest() for i in range(n)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -29,7 +30,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         ({"path": ["/a", "/a"]}, "path"),
         ({"path": 3}, "path"),
         ({"free_target": 0.9}, "free_target"),
-        ({"file_size_mb": 4096, "capacity_gb": 1}, "file_size_mb"),
+        ({"file_size_mb": 4096}, "file_size_mb"),
+        ({"redis_prefix": "a{b}"}, "redis_prefix"),
+        ({"index_shards": 0}, "index_shards"),
         ({"capcity_gb": 1}, "capcity_gb"),
     ],
 )
@@ -54,7 +57,7 @@ def test_sglang_keys_are_accepted_and_values_typed() -> None:
     )
     assert cfg.path == ("/nvme0/ts", "/nvme1/ts")
     assert cfg.capacity_bytes == 2 << 30 and cfg.io_threads == 16 and cfg.fsync == "commit"
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.capacity_gb = 3  # type: ignore[misc]
 
 

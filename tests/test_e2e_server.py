@@ -50,7 +50,7 @@ def reference(model: str, logdir: Path) -> list[str]:
 def store_cfg(tmp_path_factory: pytest.TempPathFactory, redis_proc: RedisProc) -> dict[str, Any]:
     return tierstore_config(
         redis_url=redis_proc.url, redis_prefix="e2e-" + uuid.uuid4().hex[:8],
-        path=str(tmp_path_factory.mktemp("e2e-store")), capacity_gb=0.5, file_size_mb=16,
+        path=str(tmp_path_factory.mktemp("e2e-store")), capacity_gb=0.5,
     )
 
 
@@ -66,10 +66,10 @@ def chat(s: Server) -> tuple[list[str], list[dict[str, int]]]:
 def wait_for_backup(cfg: dict[str, Any], timeout: float = 30) -> int:
     """Write-through to L3 is asynchronous: wait until the stored page count settles."""
     r = redis.Redis.from_url(cfg["redis_url"])
-    pattern = f"{cfg.get('redis_prefix', 'tierstore')}:e:*"
+    pattern = "{" + cfg.get("redis_prefix", "tierstore") + ":*}:entries"  # every shard's entry hash
     last, stable_since, deadline = -1, time.monotonic(), time.monotonic() + timeout
     while time.monotonic() < deadline:
-        n = sum(1 for _ in r.scan_iter(match=pattern, count=1000))
+        n = sum(r.hlen(k) for k in r.scan_iter(match=pattern, count=1000))
         if n != last:
             last, stable_since = n, time.monotonic()
         elif n > 0 and time.monotonic() - stable_since > 1.0:
@@ -115,7 +115,7 @@ def test_fault_injection_and_redis_outage_keep_outputs_identical(
     model: str, logdir: Path, reference: list[str], tmp_path: Path
 ) -> None:
     redis_proc = RedisProc(tmp_path / "redis", appendonly=True)  # a restarted Redis keeps the index, as deployed
-    cfg = tierstore_config(redis_url=redis_proc.url, path=str(tmp_path / "store"), capacity_gb=0.5, file_size_mb=16,
+    cfg = tierstore_config(redis_url=redis_proc.url, path=str(tmp_path / "store"), capacity_gb=0.5,
                            redis_timeout_s=0.3, redis_retry_s=0.5)
     env = {"SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE": "0.2"}
     try:

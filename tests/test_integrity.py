@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Optional, Sequence
+import time
+from typing import Any, Optional
 
 import redis
 import torch
 from pools import fill, keys, mha_pool, mla_pool, page_bytes, page_indices, storage_config
 
 from sglang_tierstore import TierStoreBackend
-from sglang_tierstore.index import RedisIndex, parse_entry
+from sglang_tierstore.allocator import ALL_SCRIPTS
+from sglang_tierstore.index import RedisIndex
+from sglang_tierstore.schema import entry_field, unpack_entry
 
 
 def test_fingerprints_keep_incompatible_pages_apart(extra: dict[str, Any]) -> None:
@@ -58,11 +61,9 @@ def test_mla_pages_are_shared_across_tp_ranks(extra: dict[str, Any]) -> None:
 def _slot_offset(be: TierStoreBackend, key: str) -> tuple[str, int, int]:
     """(page file, byte offset of the slot, page bytes) of a committed key."""
     ns = be._pool("kv").ns
-    raw = be.store.index.lookup([be.store.index.entry_key(ns.ns, key)])[0]
-    assert raw is not None
-    e = parse_entry(raw)
-    file_no, off = be.store.files.locate(ns.cls, e.slot)
-    return be.store.files.file_path(ns.cls, file_no), off, ns.page_bytes
+    where = be.store.where(ns, key)
+    assert where is not None
+    return where[0], where[1], ns.page_bytes
 
 
 def _flip(path: str, offset: int) -> None:
@@ -99,6 +100,11 @@ def test_flipped_bytes_are_misses_and_drop_the_entry(extra: dict[str, Any]) -> N
         assert be.batch_set_v1(ks[1:2], page_indices([1], 4)) == [True]
 
 
+def _entries(be: TierStoreBackend) -> tuple[redis.Redis, str]:
+    """A plain Redis client and the hash holding the backend's entries (one shard)."""
+    return redis.Redis.from_url(be.cfg.redis_url or ""), be.store.attached().alloc.keys(0)[1]
+
+
 def test_unparsable_index_value_is_a_miss_and_is_dropped(extra: dict[str, Any]) -> None:
     pool = mha_pool("page_first")
     fill(pool, 6)
@@ -106,40 +112,64 @@ def test_unparsable_index_value_is_a_miss_and_is_dropped(extra: dict[str, Any]) 
     with TierStoreBackend(storage_config(extra), {}) as be:
         be.register_mem_pool_host(pool)
         assert be.batch_set_v1(ks, page_indices(range(3), 4)) == [True] * 3
-        ekey = be.store.index.entry_key(be._pool("kv").ns.ns, ks[1])
-        redis.Redis.from_url(extra["redis_url"]).set(ekey, b"not:an:entry")
-        assert [p for p in be.check() if "unparsable" in p] == [f"{ekey}: unparsable entry"]
+        r, entries = _entries(be)
+        field = entry_field(be._pool("kv").ns.ns_id, ks[1])
+        good = r.hget(entries, field)
+        r.hset(entries, field, b"not an entry")
+        assert [p for p in be.check() if "unparsable" in p] == [f"entry {field.hex()}: unparsable entry"]
         assert be.batch_get_v1(ks[:2], page_indices([10, 11], 4)) == [True, False]
         assert page_bytes(pool, 10) == page_bytes(pool, 0)
         assert be.store.stats()["error_corrupt"] == 1
         assert be.batch_exists(ks) == 1
         assert be.batch_exists(ks[2:]) == 1
-
-
-def test_uncommitted_write_is_invisible_and_its_slot_reclaimed(extra: dict[str, Any]) -> None:
-    pool = mha_pool("page_first")
-    fill(pool, 4)
-    ks = keys(2)
-    with TierStoreBackend(storage_config({**extra, "lease_s": 0.2, "housekeeping_s": 3600}), {}) as be:
-        be.register_mem_pool_host(pool)
-        ns = be._pool("kv").ns
-        ekey = be.store.index.entry_key(ns.ns, ks[0])
-        # the writer "crashes" after reserving and writing, before FINISH
-        gen, _, slots = be.store.index.reserve(ns.cls, [ekey], 0.2, be.cfg.capacity_bytes)
-        be.store.files.write_slot(ns.cls, slots[0], be._pool("kv").plan.regions(0), ns.page_bytes, False)
-        assert be.batch_exists(ks) == 0
-        assert be.batch_get_v1(ks[:1], page_indices([5], 4)) == [False]
-        assert be.store.index.usage(ns.cls)["pending"] == 1
-        threading.Event().wait(0.3)
-        be.housekeeper.run_once()
-        u = be.store.index.usage(ns.cls)
-        assert u["pending"] == 0 and u["free"] == 1
-        assert be.batch_set_v1(ks, page_indices([0, 1], 4)) == [True, True]
+        # the dropped value named no slot, so its region still counts the page: check sees
+        # the member whose entry is gone, and fix makes the slot dead
+        assert good is not None and be.check(fix=True) == [f"region {_region_of(good)} slot {_slot_of(good)}: member {field.hex()} has no entry"]
         assert be.check() == []
 
 
+def test_uncommitted_write_is_invisible_and_its_slots_reclaimed(extra: dict[str, Any]) -> None:
+    """A writer dies after taking slots and writing them, before COMMIT."""
+    pool = mha_pool("page_first")
+    fill(pool, 4)
+    ks = keys(2)
+    cfg = {**extra, "lease_s": 0.3, "housekeeping_s": 3600}
+    with TierStoreBackend(storage_config(cfg), {}) as dying, TierStoreBackend(storage_config(cfg), {}) as be:
+        for b in (dying, be):
+            b.register_mem_pool_host(pool)
+        ns = dying._pool("kv").ns
+        a = dying.store.attached()
+        dying.store._fill_stock(a, ns.page_bytes, {0: 2})
+        slots = a.alloc.take(0, ns.page_bytes, 2)
+        g = a.att.geometry
+        for (r, sl), page in zip(slots, (0, 1)):
+            a.files.write(g.file_of(r), g.slot_offset(r, sl, ns.page_bytes), dying._pool("kv").plan.regions(page * 4),
+                          ns.page_bytes, False)
+        dying.housekeeper.stop()
+        dying.store.index.close()  # "killed": no COMMIT, its lease stays
+        assert be.batch_exists(ks) == 0
+        assert be.batch_get_v1(ks[:1], page_indices([5], 4)) == [False]
+        assert be.store.usage()["leases"] >= 1
+        assert be.check() == []  # leased slots are a state of their own
+        threading.Event().wait(0.4)
+        be.housekeeper.run_once()
+        assert be.store.usage()["leases"] == 0
+        assert be.check() == []
+        assert be.batch_set_v1(ks, page_indices([0, 1], 4)) == [True, True]
+        assert be.check() == []
+        dying.store._att = None  # nothing left for close() to give back
+
+
+def _region_of(raw: bytes) -> int:
+    return unpack_entry(raw).region
+
+
+def _slot_of(raw: bytes) -> int:
+    return unpack_entry(raw).slot
+
+
 class PausingIndex(RedisIndex):
-    """A real RedisIndex whose lookup stops after MGET until the test lets it go on."""
+    """A real RedisIndex whose HMGET stops after it returns until the test lets it go on."""
 
     def __init__(self, *a: Any, **kw: Any) -> None:
         super().__init__(*a, **kw)
@@ -147,39 +177,53 @@ class PausingIndex(RedisIndex):
         self.go_on = threading.Event()
         self.pause = False
 
-    def lookup(self, entry_keys: Sequence[str]) -> list[Optional[bytes]]:
-        out = super().lookup(entry_keys)
+    def hmget(self, parts: Any) -> list[list[Optional[bytes]]]:
+        out = super().hmget(parts)
         if self.pause:
+            self.pause = False
             self.looked_up.set()
             assert self.go_on.wait(10)
         return out
 
 
 def test_read_racing_eviction_and_slot_reuse_never_returns_other_bytes(extra: dict[str, Any]) -> None:
-    pool = mha_pool("page_first")
+    """A read looks a page up; before it reads the slot, the page's region is evicted and
+    the slot reused by another page with other bytes. The read must be a miss."""
+    pool = mha_pool("page_first_direct", page_size=16, layers=4, heads=4, head_dim=64)  # 64 KiB pages
     fill(pool, 5)
-    a, b = keys(1, "a")[0], keys(1, "b")[0]
-    with TierStoreBackend(storage_config(extra), {}) as be:
+    cfg = {**extra, "capacity_gb": 1 / 1024}  # 16 regions of 64 KiB: one page each
+    with TierStoreBackend(storage_config(cfg), {}) as be:
         be.register_mem_pool_host(pool)
-        racy = PausingIndex(extra["redis_url"], be.store.index.prefix, 0.5, 1.0)
+        racy = PausingIndex(extra["redis_url"], 0.5, 1.0)
+        racy.register(ALL_SCRIPTS)
         be.store.index = racy
-        assert be.batch_set_v1([a], page_indices([0], 4)) == [True]
-        slot_a = parse_entry(racy.lookup([racy.entry_key(be._pool("kv").ns.ns, a)])[0] or b"").slot
+        be.store.attached().alloc.index = racy
+        a = keys(1, "a")[0]
+        assert be.batch_set_v1([a], page_indices([0], 16)) == [True]
+        ns = be._pool("kv").ns
+        slot_a = be.store.where(ns, a)
         racy.pause = True
         result: list[list[bool]] = []
-        reader = threading.Thread(target=lambda: result.append(be.batch_get_v1([a], page_indices([20], 4))))
+        reader = threading.Thread(target=lambda: result.append(be.batch_get_v1([a], page_indices([20], 16))))
         reader.start()
         assert racy.looked_up.wait(10)
-        # meanwhile: a is evicted (dropped) and its slot reused by b, with other bytes
-        racy.pause = False
-        assert racy.drop([(racy.entry_key(be._pool("kv").ns.ns, a), b"")]) == 1
-        assert be.batch_set_v1([b], page_indices([1], 4)) == [True]
-        assert parse_entry(racy.lookup([racy.entry_key(be._pool("kv").ns.ns, b)])[0] or b"").slot == slot_a
+        # meanwhile: new pages push a's region out and one of them lands in a's slot
+        others = keys(64, "b")
+        for i, k in enumerate(others):
+            assert be.batch_set_v1([k], page_indices([1 + i % 15], 16)) == [True]
+            be.housekeeper.run_once()
+            where = be.store.where(ns, k)
+            if where is not None and where[:2] == slot_a[:2]:
+                reused, host = k, 1 + i % 15
+                break
+        else:
+            raise AssertionError("a's slot was never reused")
+        assert be.batch_exists([a]) == 0
         racy.go_on.set()
         reader.join()
         assert result == [[False]]
-        assert be.batch_get_v1([b], page_indices([21], 4)) == [True]
-        assert page_bytes(pool, 21) == page_bytes(pool, 1)
+        assert be.batch_get_v1([reused], page_indices([21], 16)) == [True]
+        assert page_bytes(pool, 21) == page_bytes(pool, host)
         assert be.check() == []
 
 
@@ -191,22 +235,39 @@ def test_lost_index_or_lost_files_serve_nothing_stale(extra: dict[str, Any]) -> 
     with TierStoreBackend(storage_config(extra), {}) as be:
         be.register_mem_pool_host(pool)
         assert be.batch_set_v1(ks, page_indices(range(4), 4)) == [True] * 4
+        old_store = be.store.attached().att.geometry.store_id
         # the Redis data is lost, page files remain
-        for k in r.scan_iter(match=extra["redis_prefix"] + ":*"):
+        for k in r.scan_iter(match=extra["redis_prefix"] + "*"):
+            r.delete(k)
+        for k in r.scan_iter(match="{" + extra["redis_prefix"] + "*"):
             r.delete(k)
         assert be.batch_exists(ks) == 0
         assert be.batch_get_v1(ks, page_indices(range(10, 14), 4)) == [False] * 4
-        # writing again reuses the old files from slot 0: new pages read back right
+        # the next writes find the store gone and start a new one (old files removed)
         fill(pool, 7)
-        assert be.batch_set_v1(ks[2:], page_indices([2, 3], 4)) == [True, True]
+        deadline = time.monotonic() + 10
+        while be.batch_set_v1(ks[2:], page_indices([2, 3], 4)) != [True, True]:
+            assert time.monotonic() < deadline, "the store did not come back"
+            time.sleep(0.1)
+        assert be.store.attached().att.geometry.store_id != old_store
+        assert not any(old_store in f for f in _page_files(extra["path"]))
         assert be.batch_get_v1(ks[2:], page_indices([20, 21], 4)) == [True, True]
         assert page_bytes(pool, 21) == page_bytes(pool, 3)
         assert be.check() == []
         # now the page files are lost while Redis keeps the entries
-        be.store.files.close()
-        for f in be.store.files.files():
+        be.store.attached().files.close()
+        for f in _page_files(extra["path"]):
             os.remove(f)
         assert be.batch_exists(ks[2:]) == 2  # the index still believes...
         assert be.batch_get_v1(ks[2:], page_indices([30, 31], 4)) == [False, False]  # ...reads do not
-        assert be.batch_exists(ks[2:]) == 0
+        deadline = time.monotonic() + 10
+        while be.batch_exists(ks[2:]) != 0:  # housekeeping forgets the lost file and its pages
+            assert time.monotonic() < deadline, "the lost file was not forgotten"
+            time.sleep(0.1)
         assert be.check() == []
+        assert be.batch_set_v1(ks, page_indices(range(4), 4)) == [True] * 4  # and a new file takes pages
+        assert be.check() == []
+
+
+def _page_files(root: str) -> list[str]:
+    return [os.path.join(d, n) for d, _, names in os.walk(root) for n in names if n.endswith(".pages")]

@@ -108,7 +108,12 @@ def test_get_stats_reports_pages(extra: dict[str, Any]) -> None:
 
     pool = mha_pool("page_first")
     fill(pool, 6)
-    with TierStoreBackend(storage_config(extra), {}) as be:
+    with TierStoreBackend(storage_config(extra), {}) as quiet:
+        quiet.register_mem_pool_host(pool)
+        for _ in range(3):
+            quiet.batch_get_v1(keys(4), page_indices([8, 9, 10, 11], 4))
+        assert quiet._io_stats is None and quiet.get_stats().prefetch_pgs == []  # nothing kept unasked
+    with TierStoreBackend(storage_config(extra, metrics=True), {}) as be:
         be.register_mem_pool_host(pool)
         be.batch_set_v1(keys(4), page_indices([0, 1, 2, 3], 4))
         be.batch_get_v1(keys(4), page_indices([8, 9, 10, 11], 4))
@@ -135,29 +140,33 @@ def test_clear_drops_only_this_backends_pages(extra: dict[str, Any]) -> None:
         assert a.check() == []
 
 
-def test_batches_on_reused_slots_in_any_order(extra: dict[str, Any]) -> None:
-    """A batch's I/O runs in slot order over several threads; each page still lands
-    at its own key and host page when the free list hands slots back reversed."""
-    src = mha_pool("page_first_direct", page_size=64, layers=4, heads=8, head_dim=64, tokens=64 * 48)
+def test_a_batch_lands_in_adjacent_slots_and_reads_back_in_few_ios(extra: dict[str, Any]) -> None:
+    """Placement for prefixes: one write batch takes consecutive slots of one region, and a
+    read coalesces them into a few preadv calls (spread over the I/O threads), whatever
+    order the keys come in."""
+    src = mha_pool("page_first_direct", page_size=64, layers=4, heads=8, head_dim=64, tokens=64 * 48)  # 512 KiB pages
     fill(src, 4)
-    first, second = keys(16, "first"), keys(16, "second")
+    ks = keys(16, "prefix")
     with TierStoreBackend(storage_config({**extra, "io_threads": 4}), {}) as be:
         be.register_mem_pool_host(src)
         ns = be._pool("kv").ns
-        idx = be.store.index
-        assert be.batch_set_v1(first, page_indices(range(16), 64)) == [True] * 16
-        slots = [parse_slot(idx.lookup([idx.entry_key(ns.ns, k)])[0]) for k in first]
-        assert idx.drop([(idx.entry_key(ns.ns, k), b"") for k in reversed(first)]) == 16
-        assert be.batch_set_v1(second, page_indices(range(16, 32), 64)) == [True] * 16
-        reused = [parse_slot(idx.lookup([idx.entry_key(ns.ns, k)])[0]) for k in second]
-        assert reused == slots[::-1]  # key order is the reverse of slot order
-        assert be.batch_get_v1(second, page_indices(range(32, 48), 64)) == [True] * 16
-        for s, d in zip(range(16, 32), range(32, 48)):
-            assert page_bytes(src, d) == page_bytes(src, s)
-        assert be.batch_exists(first) == 0
+        assert be.batch_set_v1(ks, page_indices(range(16), 64)) == [True] * 16
+        where = [be.store.where(ns, k) for k in ks]
+        assert len({w[0] for w in where if w}) == 1
+        offsets = [w[1] for w in where if w]
+        assert offsets == [offsets[0] + i * ns.page_bytes for i in range(16)]
+        files = be.store.attached().files
+        calls: list[int] = []
+        real = files.read
+
+        def counting(file_no: int, offset: int, bufs: Any, nbytes: int, aligned: bool) -> None:
+            calls.append(nbytes)
+            real(file_no, offset, bufs, nbytes, aligned)
+
+        files.read = counting  # type: ignore[method-assign]
+        order = ks[::-1]  # keys in the reverse of slot order
+        assert be.batch_get_v1(order, page_indices(range(32, 48), 64)) == [True] * 16
+        assert len(calls) == 4 and sum(calls) == 16 * ns.page_bytes  # 16 pages in 4 I/Os, one per thread
+        for k, d in zip(order, range(32, 48)):
+            assert page_bytes(src, d) == page_bytes(src, ks.index(k))
         assert be.check() == []
-
-
-def parse_slot(raw: Any) -> int:
-    assert raw is not None
-    return int(raw.split(b":")[1])

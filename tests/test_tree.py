@@ -136,7 +136,15 @@ class TierStoreTree(UnifiedRadixCacheStorageFixtures, unittest.TestCase):
         storage_dir = self._make_storage_dir()
         seq = self._make_seq(7, 12)
         expected = self._produce(storage_dir, seq, seed=1)
-        got, cons = self._consume(storage_dir, seq)
+        v1_reads: list[int] = []
+        real_get_v1 = TierStoreBackend.batch_get_v1
+
+        def counting_get_v1(backend: TierStoreBackend, keys: Any, *a: Any, **kw: Any) -> Any:
+            v1_reads.append(len(keys))
+            return real_get_v1(backend, keys, *a, **kw)
+
+        with mock.patch.object(TierStoreBackend, "batch_get_v1", counting_get_v1):
+            got, cons = self._consume(storage_dir, seq)
         self.assertEqual(len(got), len(expected))
         for e, g in zip(expected, got):
             self.assertTrue(torch.equal(e, g))
@@ -144,8 +152,8 @@ class TierStoreTree(UnifiedRadixCacheStorageFixtures, unittest.TestCase):
         self.assertIsInstance(backend, TierStoreBackend)
         kv_pages, window_pages = len(seq) // self.cfg.page_size, (self.cfg.sliding_window_size or 0) // self.cfg.page_size
         self.assertEqual(backend.store.stats()["read_hit"], kv_pages + window_pages)
-        # v1 reads go through batch_get_v1 (recorded per batch); legacy ones through batch_get
-        self.assertEqual(bool(backend.get_stats().prefetch_pgs), self.interface_v1)
+        # v1 reads go through batch_get_v1; legacy ones through batch_get
+        self.assertEqual(bool(v1_reads), self.interface_v1)
         self.assertEqual(backend.check(), [])
 
 

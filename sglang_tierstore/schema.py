@@ -1,0 +1,133 @@
+"""Key names and record formats of the index: the one source for Python and Lua.
+
+A store is ``(redis_prefix, store id)``; the id lives in the index and in a marker
+in each of the store's directories (:mod:`sglang_tierstore.home`). Its keys, with
+``T = <prefix>:<store id>``::
+
+    {T}:meta          hash   geometry (format, region bytes, regions per file, shards), capacity
+    {T}:ns            hash   namespace id (hex) -> readable description (for check and operators)
+    {T}:dirs          hash   directory id -> JSON {path, host, seen}: who last saw each directory
+    {T:s}:conf        hash   shard s: store id, capacity and allocated regions, geometry, counters
+    {T:s}:entries     hash   entry field (namespace 8 B + key 24 B) -> ENTRY value
+    {T:s}:regions     hash   region id -> REGION record
+    {T:s}:members     hash   region id -> the entry field of each slot (FIELD_BYTES per slot)
+    {T:s}:lru         zset   region id -> last use (regions holding pages)
+    {T:s}:free        zset   region id -> placement order (allocated, empty)
+    {T:s}:holes       zset   region id -> placement order (not allocated: no disk space)
+    {T:s}:open        hash   page bytes -> the region now being filled for that page size
+    {T:s}:leases      hash   lease id -> "region:start:count,..." slots leased to one writer
+    {T:s}:deadlines   zset   lease id -> expiry time
+    {T:s}:files       hash   file number -> "dir id|uid|state|since" (state: c creating, r ready, l lost)
+
+Every key a shard's scripts touch carries the shard's hash tag ``{T:s}``, and the
+scripts get them all in KEYS (``shard_keys``), so each script call runs on one
+Redis Cluster slot. Which shard a page belongs to: see :func:`shard_of`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from typing import NamedTuple
+
+import xxhash
+
+FORMAT = 2  # bump when any record below changes; older stores are dropped at attach
+
+FIELD_BYTES = 32  # namespace id (8 bytes) + key (24 bytes)
+KEY_BYTES = 24
+
+# An entry: where a committed page lives and the xxh3-64 of its bytes. Lua reads
+# only the head (it never needs the checksum, which a Lua double could not hold).
+ENTRY = struct.Struct("<IIIQ")  # region, region generation, slot, checksum
+ENTRY_HEAD_LUA = "<I4I4I4"
+
+# A region record. state: HOLE (no disk space), FREE (allocated, empty), USED (holds
+# or is receiving pages of one size). fill: slots handed out so far (append-only);
+# live: slots holding a committed page; leased: slots handed out and not yet
+# committed or given up. Slots below fill that are neither are dead until the
+# region is reclaimed as a whole.
+REGION_FIELDS = (("page_bytes", 4), ("gen", 4), ("fill", 4), ("live", 4), ("leased", 4), ("state", 1))
+REGION = struct.Struct("<" + "".join({4: "I", 1: "B"}[n] for _, n in REGION_FIELDS))
+REGION_LUA = "<" + "".join(f"I{n}" for _, n in REGION_FIELDS)
+HOLE, FREE, USED = 0, 1, 2
+
+SHARD_KEYS = ("conf", "entries", "regions", "members", "lru", "free", "holes", "open", "leases", "deadlines", "files")
+HEADER_BYTES = 4096  # a page file's header block; region 0 starts right after it
+ALIGN = 4096  # O_DIRECT alignment of buffers, offsets and slot sizes
+
+
+class Region(NamedTuple):
+    page_bytes: int
+    gen: int
+    fill: int
+    live: int
+    leased: int
+    state: int
+
+
+class Entry(NamedTuple):
+    region: int
+    gen: int
+    slot: int
+    checksum: int
+
+
+def round_up(n: int, to: int = ALIGN) -> int:
+    return (n + to - 1) // to * to
+
+
+def unpack_entry(raw: bytes) -> Entry:
+    """Raises ``struct.error`` on a value that is not an entry."""
+    return Entry(*ENTRY.unpack(raw))
+
+
+def unpack_region(raw: bytes) -> Region:
+    return Region(*REGION.unpack(raw))
+
+
+def key_bytes(key: str) -> bytes:
+    """24 bytes naming a page key: the first 192 bits of SGLang's 64-hex SHA-256 chain
+    keys, anything else through BLAKE2b-192 (so any string is a valid key). 192 bits keep
+    accidental collisions out of reach (birthday bound ~2^96 keys) at 8 bytes less per
+    page in the entry and in its region's member list than the whole hash."""
+    if len(key) == 64:
+        try:
+            return bytes.fromhex(key)[:KEY_BYTES]
+        except ValueError:
+            pass
+    return hashlib.blake2b(key.encode(), digest_size=KEY_BYTES).digest()
+
+
+def entry_field(ns_id: bytes, key: str) -> bytes:
+    return ns_id + key_bytes(key)
+
+
+def shard_of(field: bytes, shards: int) -> int:
+    """A page's shard: a hash of its entry field. A batch is split by shard and each
+    part is one script call (with one shard, the default, a batch is one call)."""
+    return 0 if shards == 1 else xxhash.xxh3_64_intdigest(field) % shards
+
+
+def store_tag(prefix: str, store_id: str) -> str:
+    return f"{prefix}:{store_id}"
+
+
+def meta_key(tag: str, name: str) -> str:
+    """``{T}:meta``, ``{T}:ns``, ``{T}:dirs``."""
+    return f"{{{tag}}}:{name}"
+
+
+def shard_keys(tag: str, shard: int) -> list[str]:
+    """Every key of one shard, in the order the scripts read them from KEYS."""
+    return [f"{{{tag}:{shard}}}:{name}" for name in SHARD_KEYS]
+
+
+def lua_prelude() -> str:
+    """Lua constants for the scripts, generated from the definitions above."""
+    names = ", ".join(f"K_{n.upper()}" for n in SHARD_KEYS)
+    return (
+        f"local {names} = unpack(KEYS, 1, {len(SHARD_KEYS)})\n"
+        f"local ENTRY_HEAD, REGION_FMT, FIELD = '{ENTRY_HEAD_LUA}', '{REGION_LUA}', {FIELD_BYTES}\n"
+        f"local HOLE, FREE, USED, ALIGN = {HOLE}, {FREE}, {USED}, {ALIGN}\n"
+    )

@@ -1,0 +1,243 @@
+"""The engine's own contract, over plain byte buffers: no torch, no SGLang (seconds)."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import RedisProc, keys
+from engine_kit import MiB, engine, housekeep, pages, read, views
+
+from sglang_tierstore.errors import PageIOError
+
+
+@pytest.fixture
+def cfg(tmp_path: Path, redis_proc: RedisProc) -> dict[str, Any]:
+    return {"path": str(tmp_path / "store"), "redis_url": redis_proc.url, "redis_prefix": "e-" + uuid.uuid4().hex[:10],
+            "capacity_gb": 4 * MiB / (1 << 30), "io_threads": 4}
+
+
+def test_importing_the_engine_needs_neither_torch_nor_sglang() -> None:
+    code = ("import sys, sglang_tierstore, sglang_tierstore.store, sglang_tierstore.eviction, sglang_tierstore.check; "
+            "bad = [m for m in ('torch', 'sglang') if m in sys.modules]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("page_bytes", [4096, 65536, 768, 5000])
+def test_round_trip_leading_run_and_gaps(cfg: dict[str, Any], page_bytes: int) -> None:
+    with_gap = keys(8)
+    src = pages(8, page_bytes, 1)
+    st = engine(cfg)
+    try:
+        ns = st.namespace({"model": "m"}, page_bytes)
+        stored = [0, 1, 2, 4, 5]
+        assert st.write(ns, [with_gap[i] for i in stored], views([src[i] for i in stored]), False) == [True] * 5
+        assert st.exists([(ns, with_gap)]) == [[True, True, True, False, True, True, False, False]]
+        ok, got = read(st, ns, with_gap)
+        assert ok == [True, True, True, False, False, False, False, False]  # only the leading run is read
+        assert got[:3] == src[:3]
+        ok, got = read(st, ns, with_gap[4:6])
+        assert ok == [True, True] and got == src[4:6]
+        assert st.check() == []
+    finally:
+        st.close()
+
+
+def test_any_key_string_and_namespaces_apart(cfg: dict[str, Any]) -> None:
+    st = engine(cfg)
+    try:
+        a, b = st.namespace({"model": "a"}, 4096), st.namespace({"model": "b"}, 4096)
+        ks = ["not-hex", "x" * 64, keys(1)[0].upper()]
+        src = pages(3, 4096, 2)
+        assert st.write(a, ks, views(src), False) == [True] * 3
+        assert st.exists([(a, ks), (b, ks)]) == [[True] * 3, [False] * 3]
+        ok, got = read(st, a, ks)
+        assert ok == [True] * 3 and got == src
+    finally:
+        st.close()
+
+
+def test_existing_key_keeps_its_first_bytes(cfg: dict[str, Any]) -> None:
+    st = engine(cfg)
+    try:
+        ns = st.namespace({}, 4096)
+        k = keys(1)
+        first, second = pages(1, 4096, 3), pages(1, 4096, 4)
+        assert st.write(ns, k, views(first), False) == [True]
+        assert st.write(ns, k, views(second), False) == [True]
+        assert st.write(ns, k + k, views(second + second), False) == [True, True]  # a key twice in one batch
+        ok, got = read(st, ns, k)
+        assert ok == [True] and got == first
+        assert st.stats()["write_exists"] == 3
+        assert st.check() == []
+    finally:
+        st.close()
+
+
+def test_bad_buffers_are_clear_errors_and_lose_nothing(cfg: dict[str, Any]) -> None:
+    st = engine(cfg)
+    try:
+        ns = st.namespace({}, 4096)
+        ks = keys(2)
+        assert st.write(ns, ks, views(pages(2, 4096, 5)), False) == [True, True]
+        with pytest.raises(ValueError, match="2 keys but 1 page buffers"):
+            st.write(ns, ks, views(pages(1, 4096, 6)), False)
+        with pytest.raises(ValueError, match="has 100 bytes, namespace pages have 4096"):
+            st.read(ns, ks[:1], views([bytearray(100)]), False)
+        with pytest.raises(ValueError, match="page_bytes must be positive"):
+            st.namespace({}, 0)
+        assert st.exists([(ns, ks)]) == [[True, True]]
+        assert st.check() == []
+    finally:
+        st.close()
+
+
+def _flip(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x5A]))
+
+
+def test_a_checksum_mismatch_is_a_miss_and_drops_only_that_entry(cfg: dict[str, Any]) -> None:
+    st = engine(cfg, o_direct=False)
+    try:
+        ns = st.namespace({}, 8192)
+        ks = keys(4)
+        src = pages(4, 8192, 7)
+        assert st.write(ns, ks, views(src), False) == [True] * 4
+        where = st.where(ns, ks[1])
+        assert where is not None
+        _flip(where[0], where[1] + 8191)
+        assert [p for p in st.check(fix=False) if "checksum mismatch" in p] != []
+        ok, got = read(st, ns, ks)
+        assert ok == [True, False, True, True] and got[0] == src[0] and got[2:] == src[2:]
+        assert st.exists([(ns, ks)]) == [[True, False, True, True]]
+        assert st.stats()["error_corrupt"] == 1
+        assert st.check() == []
+        assert st.write(ns, ks[1:2], views(src[1:2]), False) == [True]  # written again, read right
+        ok, got = read(st, ns, ks[1:2])
+        assert ok == [True] and got == src[1:2]
+    finally:
+        st.close()
+
+
+def test_check_fix_drops_what_does_not_verify(cfg: dict[str, Any]) -> None:
+    st = engine(cfg, o_direct=False)
+    try:
+        ns = st.namespace({}, 4096)
+        ks = keys(3)
+        assert st.write(ns, ks, views(pages(3, 4096, 8)), False) == [True] * 3
+        where = st.where(ns, ks[2])
+        assert where is not None
+        _flip(where[0], where[1])
+        problems = st.check(fix=True)
+        assert len(problems) == 1 and "checksum mismatch" in problems[0]
+        assert st.exists([(ns, ks)]) == [[True, True, False]]
+        assert st.check() == []
+    finally:
+        st.close()
+
+
+@pytest.mark.parametrize("failure", [PageIOError(errno.EMFILE, "too many open files"),
+                                     PageIOError(errno.ENOMEM, "out of memory"),
+                                     PageIOError(errno.EINTR, "interrupted"),
+                                     PageIOError(errno.EIO, "I/O error"),
+                                     RuntimeError("a bug")])
+def test_a_failure_that_is_not_about_the_page_keeps_it(cfg: dict[str, Any], failure: BaseException,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    st = engine(cfg)
+    try:
+        ns = st.namespace({}, 4096)
+        ks = keys(3)
+        src = pages(3, 4096, 9)
+        assert st.write(ns, ks, views(src), False) == [True] * 3
+        real = st.attached().files.read
+
+        def failing(*a: Any, **kw: Any) -> None:
+            raise failure
+
+        st.attached().files.read = failing  # type: ignore[method-assign]
+        with caplog.at_level(logging.WARNING):
+            ok, _ = read(st, ns, ks)
+        assert ok == [False] * 3
+        assert st.exists([(ns, ks)]) == [[True] * 3]
+        if isinstance(failure, RuntimeError):
+            assert "Traceback" in caplog.text and "a bug" in caplog.text  # logged with its traceback
+            assert st.stats()["error_internal"] >= 1
+        st.attached().files.read = real  # type: ignore[method-assign]
+        ok, got = read(st, ns, ks)
+        assert ok == [True] * 3 and got == src
+        assert st.check() == []
+    finally:
+        st.close()
+
+
+def test_a_write_is_one_round_trip_once_the_writer_has_a_stock(cfg: dict[str, Any]) -> None:
+    st = engine(cfg)
+    try:
+        ns = st.namespace({}, 4096)
+        calls: list[list[str]] = []
+        real = st.index.scripts
+
+        def counting(c: Any) -> Any:
+            calls.append([name for name, _, _ in c])
+            return real(c)
+
+        st.index.scripts = counting  # type: ignore[method-assign]
+        hmgets = 0
+        real_hmget = st.index.hmget
+
+        def counting_hmget(parts: Any) -> Any:
+            nonlocal hmgets
+            hmgets += 1
+            return real_hmget(parts)
+
+        st.index.hmget = counting_hmget  # type: ignore[method-assign]
+        assert st.write(ns, keys(16, "a"), views(pages(16, 4096, 10)), False) == [True] * 16
+        assert calls[-1] == ["COMMIT"] and len(calls) >= 2  # the first batch also fills the stock
+        calls.clear()
+        for tag in ("b", "c", "d"):
+            assert st.write(ns, keys(16, tag), views(pages(16, 4096, 11)), False) == [True] * 16
+        assert calls == [["COMMIT"]] * 3 and hmgets == 0
+        calls.clear()
+        assert st.read(ns, keys(16, "c"), views([bytearray(4096) for _ in range(16)]), False) == [True] * 16
+        assert calls == [] and hmgets == 1  # a read is one HMGET
+    finally:
+        st.close()
+
+
+def test_a_dead_writers_stock_is_reclaimed_exactly(cfg: dict[str, Any]) -> None:
+    """A process dies holding leased slots: after lease_s they are counted dead (or return
+    to their region), never lost from the accounting, and the store fills up again."""
+    dead = engine(cfg, lease_s=5)
+    ns = dead.namespace({}, 65536)
+    assert dead.write(ns, keys(6, "dead"), views(pages(6, 65536, 12)), False) == [True] * 6
+    assert dead.attached().alloc.stocked(0, 65536) > 0  # it holds a stock, and then "dies" (no close)
+    later = 0.0
+    st = engine(cfg, lease_s=5, clock=lambda: __import__("time").time() + later)
+    try:
+        ns2 = st.namespace({}, 65536)
+        assert st.check() == []  # leased slots are a state of their own
+        later = 6.0
+        housekeep(st)
+        assert st.usage()["leases"] == 0
+        assert st.check() == []
+        src = pages(80, 65536, 13)
+        for i in range(0, 80, 8):  # 5x the capacity: every region is reclaimed and reused
+            assert st.write(ns2, keys(80, "after")[i : i + 8], views(src[i : i + 8]), False) == [True] * 8
+            housekeep(st)
+        assert st.usage()["allocated_bytes"] <= 4 * MiB
+        ok, got = read(st, ns2, keys(80, "after")[-8:])
+        assert ok == [True] * 8 and got == src[-8:]
+        assert st.check() == []
+    finally:
+        st.close()
+        dead.index.close()

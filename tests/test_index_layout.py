@@ -1,0 +1,260 @@
+"""The index is laid out for Redis Cluster: every script declares every key it touches,
+the keys of one call share one hash tag, and the whole engine runs on a cluster node.
+check() streams the store in bounded calls and leaves live traffic alone."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+from conftest import REDIS_SERVER, RedisProc, free_port, keys
+from engine_kit import MiB, engine, housekeep, pages, read, views
+
+from sglang_tierstore import TierStore
+
+# Commands the scripts may issue, all with exactly one key, right after the command name.
+ONE_KEY = {"HGET", "HSET", "HMGET", "HDEL", "HSETNX", "HEXISTS", "HGETALL", "HLEN", "HINCRBY", "ZADD", "ZREM",
+           "ZRANGE", "ZRANGEBYSCORE", "ZSCORE", "ZCARD"}
+
+
+def _args(line: str) -> list[str]:
+    """The quoted arguments of one MONITOR line (escapes kept as written)."""
+    out, i = [], line.index('"')
+    while i < len(line):
+        if line[i] != '"':
+            i += 1
+            continue
+        j, buf = i + 1, []
+        while line[j] != '"':
+            if line[j] == "\\":
+                buf.append(line[j : j + 2])
+                j += 2
+            else:
+                buf.append(line[j])
+                j += 1
+        out.append("".join(buf))
+        i = j + 1
+    return out
+
+
+class Monitor:
+    """MONITOR on a raw connection, collected in a thread."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.sendall(b"MONITOR\r\n")
+        self.buf = b""
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        self.sock.settimeout(0.2)
+        while not self.stop.is_set():
+            try:
+                chunk = self.sock.recv(1 << 20)
+            except socket.timeout:
+                continue
+            if not chunk:
+                return
+            self.buf += chunk
+
+    def lines(self) -> list[str]:
+        time.sleep(0.3)
+        self.stop.set()
+        self.thread.join()
+        self.sock.close()
+        return [ln for ln in self.buf.decode("latin-1").split("\r\n") if ln.startswith("+") and '"' in ln]
+
+
+def _calls(lines: list[str]) -> Iterator[tuple[list[str], list[list[str]]]]:
+    """(declared keys, commands the script ran) per EVALSHA."""
+    current: tuple[list[str], list[list[str]]] | None = None
+    for ln in lines:
+        args = _args(ln)
+        if "[0 lua]" in ln:
+            assert current is not None, ln
+            current[1].append(args)
+            continue
+        if current is not None:
+            yield current
+            current = None
+        if args and args[0].upper() == "EVALSHA":
+            n = int(args[2])
+            current = (args[3 : 3 + n], [])
+    if current is not None:
+        yield current
+
+
+def _tag(key: str) -> str:
+    return key[key.index("{") + 1 : key.index("}")]
+
+
+def workload(st: TierStore, later: list[float], tmp: str) -> None:
+    """Every script: writes with inline eviction, reads, drops, expiry, shrink, a new and
+    a lost file, check with fix, clear."""
+    ns = st.namespace({"m": 1}, 64 * 1024)
+    src = pages(96, 64 * 1024, 1)
+    ks = keys(96, "w")
+    for i in range(0, 96, 8):
+        st.write(ns, ks[i : i + 8], views(src[i : i + 8]), False)
+        housekeep(st)
+    read(st, ns, ks[-8:])
+    where = st.where(ns, ks[-1])
+    assert where is not None
+    with open(where[0], "r+b") as f:  # a rotten page: the read drops it
+        f.seek(where[1])
+        f.write(b"\xff" * 16)
+    read(st, ns, ks[-1:])
+    later[0] += 3600  # every lease expires
+    housekeep(st)
+    st.set_capacity(2 * MiB)
+    housekeep(st)
+    os.unlink(sorted(p for d, _, n in os.walk(tmp) for p in (os.path.join(d, x) for x in n) if p.endswith(".pages"))[0])
+    st.attached().files.close()
+    read(st, ns, ks[-24:])
+    housekeep(st)
+    st.check(fix=True)
+    st.clear([ns])
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_every_script_declares_every_key_it_touches(tmp_path: Path, private_redis: RedisProc, shards: int) -> None:
+    later = [0.0]
+    st = engine({"path": str(tmp_path / "s"), "redis_url": private_redis.url, "redis_prefix": "lay",
+                 "capacity_gb": 4 * MiB / (1 << 30), "index_shards": shards, "lease_s": 5},
+                clock=lambda: time.time() + later[0])
+    mon = Monitor(private_redis.port)
+    try:
+        workload(st, later, str(tmp_path / "s"))
+    finally:
+        st.close()
+    seen_scripts = 0
+    seen_cmds: set[str] = set()
+    for declared, cmds in _calls(mon.lines()):
+        seen_scripts += 1
+        assert len({_tag(k) for k in declared}) == 1, f"keys of one call under several hash tags: {declared}"
+        for c in cmds:
+            name = c[0].upper()
+            seen_cmds.add(name)
+            assert name in ONE_KEY, f"a script ran {c[:2]}: extend ONE_KEY if it takes one key"
+            assert c[1] in declared, f"{name} {c[1]} is not in the script's KEYS {declared}"
+    assert seen_scripts > 50
+    assert {"HSETNX", "HDEL", "ZADD", "HMGET"} <= seen_cmds
+
+
+@pytest.fixture
+def cluster_node(tmp_path: Path) -> Iterator[int]:
+    """A redis-server in cluster mode owning every hash slot: scripts touching keys of two
+    slots fail there with CROSSSLOT, as on a real cluster."""
+    assert REDIS_SERVER is not None
+    port = free_port()
+    d = tmp_path / "cluster"
+    d.mkdir()
+    proc = subprocess.Popen([REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(d), "--save", "",
+                             "--appendonly", "no", "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        import redis
+
+        r = redis.Redis(port=port)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                r.ping()
+                break
+            except redis.RedisError:
+                assert time.monotonic() < deadline, "cluster node did not start"
+                time.sleep(0.05)
+        r.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+        while b"cluster_state:ok" not in r.execute_command("CLUSTER", "INFO"):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        yield port
+    finally:
+        proc.kill()
+        proc.wait()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_the_engine_runs_on_a_redis_cluster_node(tmp_path: Path, cluster_node: int) -> None:
+    later = [0.0]
+    cfg = {"path": str(tmp_path / "s"), "redis_url": f"redis://127.0.0.1:{cluster_node}/0", "redis_prefix": "cl",
+           "capacity_gb": 4 * MiB / (1 << 30), "index_shards": 3, "lease_s": 5}
+    st = engine(cfg, clock=lambda: time.time() + later[0])
+    try:
+        workload(st, later, str(tmp_path / "s"))
+        ns = st.namespace({"m": 2}, 4096)
+        src = pages(64, 4096, 2)
+        assert st.write(ns, keys(64, "c"), views(src), False) == [True] * 64
+        ok, got = read(st, ns, keys(64, "c"))
+        assert ok == [True] * 64 and got == src
+        assert st.check() == []
+        assert st.stats().get("error_internal", 0) == 0
+    finally:
+        st.close()
+    st = engine({**cfg, "capacity_gb": 64 * MiB / (1 << 30)})  # a re-format drops keys of every slot
+    st.close()
+
+
+def test_check_streams_in_bounded_calls_and_leaves_traffic_alone(tmp_path: Path, private_redis: RedisProc) -> None:
+    cfg = {"path": str(tmp_path / "s"), "redis_url": private_redis.url, "redis_prefix": "chk-" + uuid.uuid4().hex[:6],
+           "capacity_gb": 96 * MiB / (1 << 30), "io_threads": 2}
+    st = engine(cfg)
+    ns = st.namespace({"m": 1}, 4096)
+    page = pages(1, 4096, 3)[0]
+    n = 20000
+    for i in range(0, n, 500):  # 20,000 entries
+        assert all(st.write(ns, keys(n, "p")[i : i + 500], views([page] * 500), False))
+    errors: list[str] = []
+    stop = threading.Event()
+
+    def traffic() -> None:
+        other = engine(cfg)
+        try:
+            j = 0
+            while not stop.is_set():
+                ks = keys(8, f"t{j}")
+                other.write(ns, ks, views([page] * 8), False)
+                ok, got = read(other, ns, ks)
+                errors.extend(f"wrong bytes {k}" for k, good, b in zip(ks, ok, got) if good and b != page)
+                j += 1
+            errors.extend(f"{k}={v}" for k, v in other.stats().items() if k.startswith("error_"))
+        finally:
+            other.close()
+
+    mon = Monitor(private_redis.port)
+    t = threading.Thread(target=traffic)
+    t.start()
+    try:
+        t0 = time.monotonic()
+        problems = st.check(verify_pages=False)
+        took = time.monotonic() - t0
+    finally:
+        stop.set()
+        t.join()
+        st.close()
+    assert problems == [] and errors == []
+    biggest = 0
+    calls = 0
+    for ln in mon.lines():
+        args = _args(ln)
+        if "[0 lua]" in ln or not args:
+            continue
+        name = args[0].upper()
+        if name in ("HSCAN", "EVALSHA") and ("SNAPSHOT" in ln or name == "HSCAN" or len(args) > 20):
+            calls += 1
+            biggest = max(biggest, len(args))
+            if name == "HSCAN":
+                assert int(args[args.index("COUNT") + 1]) <= 256
+    assert calls > n // 256  # streamed: many small calls...
+    assert biggest <= 2 * 256 + 15  # ...none over the whole store (HSCAN COUNT is a hint: whole buckets come back)
+    assert took < 60
