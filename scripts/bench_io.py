@@ -21,13 +21,16 @@ Everything runs on the same directory, one page size at a time, batches of 128 p
                both sizes (inline or by housekeeping running alongside); nothing is cleared
 Reads are "cold" after fdatasync and POSIX_FADV_DONTNEED on every file written (the page
 cache dropped for them; the disk rounds too, though O_DIRECT bypasses it, so every system's
-reads start with its writes flushed) and "warm" right after. Every round writes new keys;
-tierstore then drops them, which frees their regions for the next round, as a full store
+reads start with its writes flushed) and "warm" right after. Every tierstore system starts as a store in use (4,096 entries that stay, see
+in_use()). Every round writes new keys; tierstore then drops them, which frees their
+regions for the next round, as a full store
 reuses evicted ones (and as the disk rounds overwrite the same file range): the first write
 into newly allocated space costs ext4 extra (unwritten extents), which only a store's first
 fill pays. ts_steady instead never drops anything. Rounds of all systems are interleaved, in a new random order (--seed) each
-time. Then the probe of 128 keys (all hit / first missing / last missing) against one
-redis-py MGET of 128 string keys named like the entries (and one HMGET of the entries), and per-page cost with 4 KiB pages, where I/O is
+time. Then the probe of 128 keys (all hit / first missing / last missing), in a store of
+4,224 entries (a store in use: Redis keeps a hash of at most 128 entries as a listpack,
+which it scans linearly), against one redis-py MGET of 128 string keys named like the
+entries (and one HMGET of the entries), and per-page cost with 4 KiB pages, where I/O is
 negligible. Each figure is the median of --repeat rounds (p90, p99 too); ratios compare
 medians of the same run. Starts its own redis-server.
 """
@@ -204,6 +207,7 @@ def tierstore_rounds(path: str, redis_url: str, pool: Any, threads: int, v2: boo
     be = backend(d, redis_url, threads, mla=mla)
     be.register_mem_pool_host(pool)
     be.register_mem_host_pool_v2(pool, PoolName.KV)
+    in_use(be)
     info["o_direct_zero_copy"] = be._pool("kv").plan.aligned
     redis_s = count_redis_time(be)
     write_redis_ms: list[float] = []
@@ -233,13 +237,23 @@ def tierstore_rounds(path: str, redis_url: str, pool: Any, threads: int, v2: boo
                 warm = timed(lambda: out.append(get_()))
             assert all(all(x) for x in out), "a tierstore call failed during the benchmark"
             yield w, cold, warm
-            be.clear()  # frees their regions: the next round reuses them, as a full store reuses evicted ones
+            be.store.clear([be._pool("kv").ns])  # frees their regions: the next round reuses them, as a full store reuses evicted ones
     finally:
         info["write_redis_ms"] = stats(write_redis_ms) if write_redis_ms else None
         info["read_redis_ms"] = stats(read_redis_ms) if read_redis_ms else None
         be.clear()
         be.close()
         shutil.rmtree(d, ignore_errors=True)
+
+
+def in_use(be: TierStoreBackend) -> None:
+    """4,096 entries of another namespace (4 KiB pages) that stay: the index of a store in
+    use. (Redis keeps a hash of at most 128 entries as a listpack it scans linearly; a store
+    emptied every round would time that instead of a store's index.)"""
+    ns = be.store.namespace({"filler": 1}, 4096)
+    page = [memoryview(bytearray(4096))]
+    for i in range(32):
+        assert all(be.store.write(ns, [sgl_key() for _ in range(BATCH)], [page] * BATCH, False))
 
 
 def steady_rounds(path: str, redis_url: str, pool: Any, other: Any, threads: int, info: dict[str, Any]) -> Iterator[Round]:
@@ -322,6 +336,8 @@ def bench_probe(path: str, redis_url: str, repeat: int) -> dict[str, Any]:
     ps = pool.page_size
     with backend(os.path.join(path, "probe"), redis_url, 8) as be:
         be.register_mem_pool_host(pool)
+        for _ in range(32):  # a store in use: 4,096 more entries, so the entry hash is a hashtable
+            assert all(be.batch_set_v1([sgl_key() for _ in range(BATCH)], page_indices(range(BATCH), ps)))
         keys = [sgl_key() for _ in range(BATCH)]
         assert all(be.batch_set_v1(keys, page_indices(range(BATCH), ps)))
         import redis

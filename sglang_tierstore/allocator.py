@@ -60,7 +60,6 @@ whose index was lost fails with ``TSSTALE`` and the caller attaches again.
 
 from __future__ import annotations
 
-import math
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Optional, Sequence
@@ -139,7 +138,7 @@ class Range(NamedTuple):
 
 
 class CommitResult(NamedTuple):
-    status: list[int]  # per commit: 1 stored, 2 already stored (slot now dead), 0 not leased any more
+    status: list[int]  # per commit: 1 stored, 2 already stored (slot now dead), 0 not stored (lease gone, region draining)
     stock: list[Range]  # the lease's slots after this call
     fresh: list[int]  # regions just allocated: the caller gives them disk space
     need_file: bool  # no region without a new page file
@@ -147,6 +146,7 @@ class CommitResult(NamedTuple):
     too_big: bool  # a page size that does not fit a region
     evicted: int
     pages_evicted: int
+    capacity_regions: int  # the shard's capacity as the index has it now
 
 
 STORED, EXISTS, LOST = 1, 2, 0
@@ -210,9 +210,13 @@ end
 
 local function is_open(r, g) return tonumber(redis.call('HGET', K_OPEN, g.pb) or '-1') == r end
 
--- rewrite a region's member list: list of {slot, field or ZERO}
+-- rewrite a region's member list: list of {first slot, the fields of consecutive slots
+-- from there (or ZERO for one slot)}, not overlapping
+local function by_slot(a, b) return a[1] < b[1] end
 local function set_members(r, list)
-  table.sort(list, function(a, b) return a[1] < b[1] end)
+  for k = 2, #list do
+    if list[k][1] < list[k - 1][1] then table.sort(list, by_slot); break end
+  end
   local blob = redis.call('HGET', K_MEMBERS, r) or ''
   local parts, pos = {}, 0
   for _, x in ipairs(list) do
@@ -223,7 +227,7 @@ local function set_members(r, list)
       if #chunk < off - pos then parts[#parts + 1] = string.rep('\0', off - pos - #chunk) end
     end
     parts[#parts + 1] = x[2]
-    pos = off + FIELD
+    pos = off + #x[2]
   end
   parts[#parts + 1] = string.sub(blob, pos + 1)
   redis.call('HSET', K_MEMBERS, r, table.concat(parts))
@@ -268,15 +272,29 @@ local function free_region(r, g)
   clear_region(r, g); g.state = FREE
   redis.call('ZADD', K_FREE, place(r), r)
 end
+-- a region leaves the allocation; it becomes allocatable again once a process that has
+-- its directory has punched its space out (PUNCHED)
 local function hole_region(r, g)
   if g.state == FREE then redis.call('ZREM', K_FREE, r) end
+  if g.state == DRAINING then redis.call('ZREM', K_DRAIN, r) end
   if g.state ~= HOLE then conf.alloc = conf.alloc - 1 end
   clear_region(r, g); g.state = HOLE
-  redis.call('ZADD', K_HOLES, place(r), r)
+  redis.call('ZADD', K_PUNCH, place(r), r)
 end
--- a region whose every slot is dead and that takes no more pages is free again
-local function release_if_dead(r, g)
-  if g.state == USED and g.live == 0 and g.leased == 0 and not is_open(r, g) then free_region(r, g) end
+-- a region that must leave while writers hold some of its slots: its pages go now, the
+-- region once its last leased slot is committed, given up or expired (see settle)
+local function drain_region(r, g, now)
+  drop_pages(r, g)
+  redis.call('ZREM', K_LRU, r)
+  if is_open(r, g) then redis.call('HDEL', K_OPEN, g.pb) end
+  g.live = 0; g.state = DRAINING; touch(r)
+  redis.call('ZADD', K_DRAIN, now, r)
+end
+-- after slots came back: a region whose every slot is dead and that takes no more pages
+-- is free again; a draining region with no slot leased any more becomes a hole
+local function settle(r, g)
+  if g.state == USED and g.live == 0 and g.leased == 0 and not is_open(r, g) then free_region(r, g)
+  elseif g.state == DRAINING and g.leased == 0 then hole_region(r, g) end
 end
 
 local function parse_ranges(s)
@@ -291,8 +309,8 @@ local function format_ranges(t)
   for _, x in ipairs(t) do if x[3] > 0 then parts[#parts + 1] = x[1] .. ':' .. x[2] .. ':' .. x[3] end end
   return table.concat(parts, ',')
 end
--- take every leased slot of region r away from its writer (shrinking, losing a file):
--- a late write there can only make a page fail its checksum, never serve wrong bytes
+-- take every leased slot of region r away from its writer (its file is gone): a late
+-- write there fails, as the file does not exist any more
 local function revoke_leases(r, g)
   if g.leased == 0 then return end
   local leases = redis.call('HGETALL', K_LEASES)
@@ -326,8 +344,9 @@ local function take(zkey)
   end
   return nil
 end
--- an empty region for new pages: free, else a hole (capacity allowing), else the coldest
-local function fresh_region()
+-- an empty region for new pages: free, else a hole (capacity allowing), else (if the
+-- pages are needed now, not a stock for later) the coldest region's
+local function fresh_region(may_evict)
   local r = take(K_FREE)
   if r then return r end
   if conf.alloc < conf.cap then
@@ -336,36 +355,74 @@ local function fresh_region()
     flags = bit.bor(flags, NEED_FILE)
     return nil
   end
+  if not may_evict then return nil end
   local g
   r, g = coldest(true)
   if r then clear_region(r, g); evicted = evicted + 1; return r end
+  -- every region is pinned by writers' stocks: the coldest drains, so that idle writers
+  -- give their slots there back at their next housekeeping and the space comes free
+  local lru = redis.call('ZRANGE', K_LRU, 0, 0)
+  if #lru > 0 then
+    local c = tonumber(lru[1])
+    drain_region(c, region(c), tonumber(ARGV[3]))
+    evicted = evicted + 1
+  end
   flags = bit.bor(flags, FULL)
   return nil
 end
 
--- take one slot out of a lease; false if the lease does not hold it
+-- take one slot out of a lease; false if the lease does not hold it. A batch takes
+-- consecutive slots, so the range that served the last one is tried first.
+local hint = 1
 local function take_slot(ranges, r, slot)
-  for i, x in ipairs(ranges) do
+  local n = #ranges
+  for k = 0, n - 1 do
+    local i = (hint + k - 1) % n + 1
+    local x = ranges[i]
     if x[1] == r and slot >= x[2] and slot < x[2] + x[3] then
       if slot == x[2] then x[2] = x[2] + 1; x[3] = x[3] - 1
       elseif slot == x[2] + x[3] - 1 then x[3] = x[3] - 1
       else table.insert(ranges, i + 1, {r, slot + 1, x[2] + x[3] - slot - 1}); x[3] = slot - x[2] end
+      hint = i
       return true
     end
   end
   return false
 end
+-- take slots start..start+n-1 of region r out of a lease at once; false (nothing taken)
+-- unless one range holds them all
+local function take_span(ranges, r, start, n)
+  for i, x in ipairs(ranges) do
+    if x[1] == r and start >= x[2] and start + n <= x[2] + x[3] then
+      local tail = x[2] + x[3] - start - n
+      x[3] = start - x[2]
+      if tail > 0 then table.insert(ranges, i + 1, {r, start + n, tail}) end
+      return true
+    end
+  end
+  return false
+end
+-- take a run of slots: true for each slot the lease held (now taken)
+local function take_run(ranges, r, start, n)
+  local got = {}
+  if take_span(ranges, r, start, n) then
+    for j = 0, n - 1 do got[j] = true end
+  else
+    for j = 0, n - 1 do got[j] = take_slot(ranges, r, start + j) end
+  end
+  return got
+end
 -- slots a writer no longer holds: dead, or back to the region if they were its last
 local function give_back(r, start, count)
   local g = region(r)
-  if not g or g.state ~= USED then return end
+  if not g or (g.state ~= USED and g.state ~= DRAINING) then return end
   g.leased = g.leased - count
   if start + count == g.fill then g.fill = start end
   touch(r)
-  release_if_dead(r, g)
+  settle(r, g)
 end
 -- lease n more slots of page size pb, appended to ranges
-local function lease_more(ranges, pb, n, now)
+local function lease_more(ranges, pb, n, now, may_evict)
   local per = slots_of(pb)
   if per < 1 then flags = bit.bor(flags, TOO_BIG); return end
   while n > 0 do
@@ -374,9 +431,9 @@ local function lease_more(ranges, pb, n, now)
     if not g or g.state ~= USED or g.pb ~= pb or g.fill >= per or not usable(r) then
       if r >= 0 then
         redis.call('HDEL', K_OPEN, pb)
-        if g then release_if_dead(r, g) end
+        if g then settle(r, g) end
       end
-      r = fresh_region()
+      r = fresh_region(may_evict)
       if not r then return end
       g = region(r)
       g.gen = g.gen + 1; g.pb = pb; g.fill = 0; g.live = 0; g.leased = 0; g.state = USED
@@ -411,69 +468,123 @@ class Scripts:
     """The allocator's Lua scripts. Each gets the shard's keys (``schema.shard_keys``)."""
 
     # ARGV[1] store id   ARGV[2] lease id   ARGV[3] now   ARGV[4] lease deadline
-    # ARGV[5] this process's directory ids (csv)   ARGV[6] 1: give the whole lease back
-    # ARGV[7] n commits, then per commit: region, slot, entry field, page checksum (8 bytes LE)
-    # then n give-ups, per give-up: region, slot
-    # then n refills, per refill: page bytes, slots wanted in stock
-    # returns {flags, regions evicted, pages evicted, n, status_1..n, n fresh, fresh regions...,
-    #          then (region, start, count, page bytes) per range left in the lease}
+    # ARGV[5] this process's directory ids (csv)   ARGV[6] 1: give the whole lease back,
+    #   2: give back its slots in draining regions (the writer is idle), 0: neither
+    # ARGV[7] n runs written, then per run: region, first slot, count, the entry fields of
+    #   its pages (FIELD bytes each, concatenated), their checksums (8 bytes LE each)
+    # then n runs given up (written in vain), per run: region, first slot, count
+    # then n refills, per refill: page bytes, slots wanted in stock, 1 if they are needed now
+    #   (eviction allowed) or 0 for a stock ahead of need (free space only)
+    # returns {flags, regions evicted, pages evicted, shard capacity (regions), n, status_1..n (per page, in run order),
+    #          n fresh, fresh regions..., then (region, start, count, page bytes) per range
+    #          left in the lease}
     COMMIT = _script(r"""
 if not attach() then return redis.error_reply('TSSTALE') end
 local lease, now, deadline = ARGV[2], tonumber(ARGV[3]), ARGV[4]
 set_reach(ARGV[5])
 local ranges = parse_ranges(redis.call('HGET', K_LEASES, lease))
-local status, members, changed = {}, {}, {}
-local i = 8
-for c = 1, tonumber(ARGV[7]) do
-  local r, slot, field, cks = tonumber(ARGV[i]), tonumber(ARGV[i + 1]), ARGV[i + 2], ARGV[i + 3]
-  i = i + 4
-  local st = 0
-  if take_slot(ranges, r, slot) then
-    local g = region(r)
-    g.leased = g.leased - 1; touch(r); changed[r] = g
-    if redis.call('HSETNX', K_ENTRIES, field, struct.pack(ENTRY_HEAD, r, g.gen, slot) .. cks) == 1 then
-      g.live = g.live + 1; st = 1
-      local m = members[r]
+local runs, fields, i = {}, {}, 8
+for k = 1, tonumber(ARGV[7]) do
+  local r, s0, n, fblob = tonumber(ARGV[i]), tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2]), ARGV[i + 3]
+  local first = #fields + 1
+  for j = 0, n - 1 do fields[first + j] = string.sub(fblob, j * FIELD + 1, (j + 1) * FIELD) end
+  runs[k] = {r, s0, n, first, fblob, ARGV[i + 4]}
+  i = i + 5
+end
+local present = {}  -- fields already stored: one HMGET, not a call per page
+for a = 1, #fields, 1000 do
+  local b = math.min(#fields, a + 999)
+  for k, v in ipairs(redis.call('HMGET', K_ENTRIES, unpack(fields, a, b))) do if v then present[fields[a + k - 1]] = true end end
+end
+local status, members, changed, new = {}, {}, {}, {}
+for _, run in ipairs(runs) do
+  local r, s0, n, first, fblob, cblob = run[1], run[2], run[3], run[4], run[5], run[6]
+  local got = take_run(ranges, r, s0, n)
+  local g = region(r)
+  if g and g.state == DRAINING then  -- leaving the store: the pages are not stored
+    local taken = 0
+    for j = 0, n - 1 do if got[j] then taken = taken + 1 end; got[j] = false end
+    if taken > 0 then g.leased = g.leased - taken; touch(r); changed[r] = g end
+  end
+  local m = members[r]
+  local from = nil  -- start (in the run) of the current stretch of new pages
+  local function close_stretch(j)
+    if from then
       if not m then m = {}; members[r] = m end
-      m[#m + 1] = {slot, field}
-    else
-      st = 2
+      m[#m + 1] = {s0 + from, string.sub(fblob, from * FIELD + 1, j * FIELD)}
+      from = nil
     end
   end
-  status[c] = st
+  local taken = 0
+  for j = 0, n - 1 do
+    local st = 0
+    if got[j] then
+      taken = taken + 1
+      local f = fields[first + j]
+      if present[f] then
+        st = 2  -- stored already (or earlier in this batch): this slot is dead
+        close_stretch(j)
+      else
+        present[f] = true
+        new[#new + 1] = f
+        new[#new + 1] = struct.pack(ENTRY_HEAD, r, g.gen, s0 + j) .. string.sub(cblob, j * 8 + 1, j * 8 + 8)
+        st = 1
+        if not from then from = j end
+      end
+    else
+      close_stretch(j)
+    end
+    status[#status + 1] = st
+  end
+  close_stretch(n)
+  if taken > 0 then
+    g.leased = g.leased - taken; touch(r); changed[r] = g
+  end
 end
+for a = 1, #new, 2000 do redis.call('HSET', K_ENTRIES, unpack(new, a, math.min(#new, a + 1999))) end
 local ngive = tonumber(ARGV[i]); i = i + 1
 for c = 1, ngive do
-  local r, slot = tonumber(ARGV[i]), tonumber(ARGV[i + 1])
-  i = i + 2
-  if take_slot(ranges, r, slot) then
+  local r, s0, n = tonumber(ARGV[i]), tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
+  i = i + 3
+  local taken = 0
+  for _, ok in pairs(take_run(ranges, r, s0, n)) do if ok then taken = taken + 1 end end
+  if taken > 0 then
     local g = region(r)
-    g.leased = g.leased - 1; touch(r); changed[r] = g
+    g.leased = g.leased - taken; touch(r); changed[r] = g
   end
 end
 for r, list in pairs(members) do
+  local g = region(r)
+  for _, x in ipairs(list) do g.live = g.live + #x[2] / FIELD end
   set_members(r, list)
   redis.call('ZADD', K_LRU, now, r)
 end
-for r, g in pairs(changed) do release_if_dead(r, g) end
-if ARGV[6] == '1' then
+for r, g in pairs(changed) do settle(r, g) end
+if ARGV[6] == '1' then  -- the writer is done: all its slots
   for _, x in ipairs(ranges) do if x[3] > 0 then give_back(x[1], x[2], x[3]) end end
   ranges = {}
+elseif ARGV[6] == '2' then  -- an idle writer: its slots in draining regions
+  local kept = {}
+  for _, x in ipairs(ranges) do
+    local g = region(x[1])
+    if x[3] > 0 and g and g.state == DRAINING then give_back(x[1], x[2], x[3]) else kept[#kept + 1] = x end
+  end
+  ranges = kept
 end
 local nref = tonumber(ARGV[i]); i = i + 1
 for c = 1, nref do
-  local pb, want = tonumber(ARGV[i]), tonumber(ARGV[i + 1])
-  i = i + 2
+  local pb, want, may_evict = tonumber(ARGV[i]), tonumber(ARGV[i + 1]), ARGV[i + 2] == '1'
+  i = i + 3
   local have = 0
   for _, x in ipairs(ranges) do
     local g = region(x[1])
     if g and g.pb == pb then have = have + x[3] end
   end
-  if have < want then lease_more(ranges, pb, want - have, now) end
+  if have < want then lease_more(ranges, pb, want - have, now, may_evict) end
 end
 save_lease(lease, ranges, deadline)
 flush(); save_conf()
-local out = {flags, evicted, pages_dropped, #status}
+local out = {flags, evicted, pages_dropped, conf.cap, #status}
 for _, s in ipairs(status) do out[#out + 1] = s end
 out[#out + 1] = #fresh
 for _, r in ipairs(fresh) do out[#out + 1] = r end
@@ -510,20 +621,22 @@ for i = 2, #ARGV, 2 do
   end
 end
 for r, list in pairs(zeroed) do set_members(r, list) end
-for r, g in pairs(changed) do release_if_dead(r, g) end
+for r, g in pairs(changed) do settle(r, g) end
 flush()
 return n
 """)
 
     # ARGV[1] store id   ARGV[2] now   ARGV[3] deadline for our leases   ARGV[4] our dirs (csv)
-    # ARGV[5] free regions to keep   ARGV[6] most regions/leases handled   ARGV[7] forget file
+    # ARGV[5] fraction of the capacity to keep free   ARGV[6] most regions/leases handled   ARGV[7] forget file
     # creations started before this   ARGV[8] n, then our lease ids (renewed)
-    # Expires leases, shrinks to capacity (free regions first, then the coldest), keeps
-    # free regions ahead of need once the shard cannot grow.
-    # returns {leases expired, slots given back, regions evicted, pages evicted, n, regions deallocated...}
+    # Expires leases, shrinks to capacity (free regions first, then the coldest; a region
+    # with leased slots drains), keeps free regions ahead of need once the shard cannot grow.
+    # returns {leases expired, slots given back, regions evicted, pages evicted, regions
+    #          draining, n, holes to punch (in our directories)...}
     SWEEP = _script(r"""
 if not attach() then return redis.error_reply('TSSTALE') end
-local now, deadline, keep, maxw, cutoff = tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+local now, deadline, maxw, cutoff = tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[6]), tonumber(ARGV[7])
+local keep = math.floor(tonumber(ARGV[5]) * conf.cap)
 set_reach(ARGV[4])
 for i = 9, 8 + tonumber(ARGV[8]) do
   if redis.call('HEXISTS', K_LEASES, ARGV[i]) == 1 then redis.call('ZADD', K_DEADLINES, deadline, ARGV[i]) end
@@ -545,20 +658,25 @@ if tonumber(redis.call('HGET', K_CONF, 'creating') or '0') > 0 then
     end
   end
 end
-local dealloc, work = {}, 0
-while conf.alloc > conf.cap and work < maxw do
+local work = 0
+-- shrink: free regions first, then the least recently used; a region with slots under
+-- lease drains (its pages go now, the region when the writers give the slots back)
+local draining = redis.call('ZCARD', K_DRAIN)
+while conf.alloc - draining > conf.cap and work < maxw do
   local r, g
   local any = redis.call('ZRANGE', K_FREE, 0, 0)
   if #any > 0 then r = tonumber(any[1]); g = region(r) else r, g = coldest(false) end
-  if not r then  -- every region left is pinned by a writer: capacity wins
+  if r then
+    if g.state == USED then evicted = evicted + 1 end
+    hole_region(r, g)
+  else
     local lru = redis.call('ZRANGE', K_LRU, 0, 0)
     if #lru == 0 then break end
     r = tonumber(lru[1]); g = region(r)
-    revoke_leases(r, g)
+    drain_region(r, g, now)
+    evicted = evicted + 1
+    draining = draining + 1
   end
-  if g.state == USED then evicted = evicted + 1 end
-  hole_region(r, g)
-  dealloc[#dealloc + 1] = r
   work = work + 1
 end
 if conf.alloc >= conf.cap then
@@ -570,10 +688,29 @@ if conf.alloc >= conf.cap then
     work = work + 1
   end
 end
+-- holes whose space a process with their directory still has to punch out
+local punch = {}
+for _, rs in ipairs(redis.call('ZRANGE', K_PUNCH, 0, maxw - 1)) do
+  if usable(tonumber(rs)) then punch[#punch + 1] = tonumber(rs) end
+end
 flush(); save_conf()
-local out = {expired, slots, evicted, pages_dropped, #dealloc}
-for _, r in ipairs(dealloc) do out[#out + 1] = r end
+local out = {expired, slots, evicted, pages_dropped, redis.call('ZCARD', K_DRAIN), #punch}
+for _, r in ipairs(punch) do out[#out + 1] = r end
 return out
+""")
+
+    # ARGV[1] store id   ARGV[2..] regions whose space the caller punched out of their files
+    # They become allocatable holes. returns how many
+    PUNCHED = _script(r"""
+if not attach() then return redis.error_reply('TSSTALE') end
+local n = 0
+for i = 2, #ARGV do
+  if redis.call('ZREM', K_PUNCH, ARGV[i]) == 1 then
+    redis.call('ZADD', K_HOLES, place(tonumber(ARGV[i])), ARGV[i])
+    n = n + 1
+  end
+end
+return n
 """)
 
     # ARGV[1] store id   ARGV[2] now   ARGV[3] our directory ids (csv, in order of preference)
@@ -641,7 +778,8 @@ for i = 0, conf.rpf - 1 do
       revoke_leases(r, g)
       if g.state ~= HOLE then conf.alloc = conf.alloc - 1 end
       if g.state == FREE then redis.call('ZREM', K_FREE, r) end
-      if g.state == HOLE then redis.call('ZREM', K_HOLES, r) end
+      if g.state == HOLE then redis.call('ZREM', K_HOLES, r); redis.call('ZREM', K_PUNCH, r) end
+      if g.state == DRAINING then redis.call('ZREM', K_DRAIN, r) end
       clear_region(r, g)
       redis.call('HDEL', K_REGIONS, r)
       regions[r] = false
@@ -661,11 +799,14 @@ return {left, pages_dropped}
     UNLINK_MEMBERS = _script(r"""
 if not attach() then return redis.error_reply('TSSTALE') end
 local n, zeroed, changed = 0, {}, {}
+local seen = {}
 for i = 2, #ARGV, 3 do
   local r, slot, field = tonumber(ARGV[i]), tonumber(ARGV[i + 1]), ARGV[i + 2]
   local g = region(r)
   local blob = redis.call('HGET', K_MEMBERS, r) or ''
-  if g and g.state == USED and string.sub(blob, slot * FIELD + 1, (slot + 1) * FIELD) == field then
+  local once = not seen[r .. ':' .. slot]
+  seen[r .. ':' .. slot] = true
+  if once and g and g.state == USED and string.sub(blob, slot * FIELD + 1, (slot + 1) * FIELD) == field then
     local v = redis.call('HGET', K_ENTRIES, field)
     local here = false
     if v and #v >= 12 then
@@ -682,14 +823,14 @@ for i = 2, #ARGV, 3 do
   end
 end
 for r, list in pairs(zeroed) do set_members(r, list) end
-for r, g in pairs(changed) do release_if_dead(r, g) end
+for r, g in pairs(changed) do settle(r, g) end
 flush()
 return n
 """)
 
     # ARGV[1] store id   ARGV[2..] region ids
     # A consistent snapshot of some regions, for check(). returns per region:
-    # {record or '', members or '', lru score or '', in free (0/1), in holes (0/1), open region
+    # {record or '', members or '', lru score or '', in free, in holes, in punch, in drain (0/1), open region
     # of its page size or '', n, entry values for its n member fields ('' if none)},
     # then the lease table {n, id, ranges, ...}
     SNAPSHOT_REGIONS = _script(r"""
@@ -704,6 +845,8 @@ for i = 2, #ARGV do
   out[#out + 1] = redis.call('ZSCORE', K_LRU, r) or ''
   out[#out + 1] = redis.call('ZSCORE', K_FREE, r) and 1 or 0
   out[#out + 1] = redis.call('ZSCORE', K_HOLES, r) and 1 or 0
+  out[#out + 1] = redis.call('ZSCORE', K_PUNCH, r) and 1 or 0
+  out[#out + 1] = redis.call('ZSCORE', K_DRAIN, r) and 1 or 0
   local openr = ''
   if #rec > 0 then
     local pb = struct.unpack(REGION_FMT, rec)
@@ -747,16 +890,33 @@ end
 return out
 """)
 
-    # ARGV[1] store id. returns {capacity, allocated, regions, in use, free, holes, leases, files, next file}
+    # ARGV[1] store id. returns {capacity, allocated, regions, in use, free, holes, to punch,
+    #                           draining, leases, files, next file}
     COUNTS = _script(r"""
 if not attach() then return redis.error_reply('TSSTALE') end
 return {conf.cap, conf.alloc, redis.call('HLEN', K_REGIONS), redis.call('ZCARD', K_LRU),
-        redis.call('ZCARD', K_FREE), redis.call('ZCARD', K_HOLES), redis.call('HLEN', K_LEASES),
-        redis.call('HLEN', K_FILES), tonumber(redis.call('HGET', K_CONF, 'next_file'))}
+        redis.call('ZCARD', K_FREE), redis.call('ZCARD', K_HOLES), redis.call('ZCARD', K_PUNCH),
+        redis.call('ZCARD', K_DRAIN), redis.call('HLEN', K_LEASES), redis.call('HLEN', K_FILES),
+        tonumber(redis.call('HGET', K_CONF, 'next_file'))}
 """)
 
 
 ALL_SCRIPTS = {name: getattr(Scripts, name) for name in vars(Scripts) if name.isupper()}
+
+
+class _Stock:
+    """One writing thread's lease and the slots it holds, per shard. ``lock`` is held
+    for a whole write (slots taken, written, committed), so housekeeping can tell an idle
+    writer from a busy one."""
+
+    __slots__ = ("lease", "thread", "lock", "ranges", "epoch")
+
+    def __init__(self, lease: str, epoch: int) -> None:
+        self.lease = lease
+        self.thread = threading.current_thread()
+        self.lock = threading.RLock()
+        self.ranges: dict[int, list[Range]] = {}
+        self.epoch = epoch
 
 
 class Allocator:
@@ -773,40 +933,44 @@ class Allocator:
         self._keys = [shard_keys(tag, s) for s in range(geometry.shards)]
         self._token = token
         self._local = threading.local()
-        self._leases: list[str] = []
+        self._stocks: dict[str, _Stock] = {}
+        self._next = 0
         self._lock = threading.Lock()
-        self._epoch = 0  # bumped when slots of some stock may have been revoked
+        self._epoch = 0  # bumped when slots of some stock may have been taken away (a file lost)
+        self.capacity_regions = [geometry.capacity_share(0, s) for s in range(geometry.shards)]  # as COMMIT reports
 
     # -- leases and stocks -----------------------------------------------------------
 
-    def _lease(self) -> str:
-        """This thread's lease id (a writer's stock is per thread, so two threads never
-        pick the same slots out of one lease)."""
-        lease: Optional[str] = getattr(self._local, "lease", None)
-        if lease is None:
+    def _mine(self) -> _Stock:
+        """This thread's stock (a writer's stock is per thread, so two threads never pick
+        the same slots out of one lease)."""
+        st: Optional[_Stock] = getattr(self._local, "stock", None)
+        if st is None:
             with self._lock:
-                lease = f"{self._token}.{len(self._leases)}"
-                self._leases.append(lease)
-            self._local.lease = lease
-            self._local.stock = {}
-            self._local.epoch = self._epoch
-        return lease
+                st = _Stock(f"{self._token}.{self._next}", self._epoch)
+                self._next += 1
+                self._stocks[st.lease] = st
+            self._local.stock = st
+        if st.epoch != self._epoch:  # start over from what the lease holds in Redis
+            st.ranges, st.epoch = {}, self._epoch
+        return st
+
+    def writing(self) -> threading.RLock:
+        """Hold this (as a context manager) around a write: from taking slots to their COMMIT."""
+        return self._mine().lock
 
     def _stock(self, shard: int) -> list[Range]:
-        self._lease()
-        if self._local.epoch != self._epoch:  # start over from what the lease holds in Redis
-            self._local.stock, self._local.epoch = {}, self._epoch
-        stock: dict[int, list[Range]] = self._local.stock
-        return stock.setdefault(shard, [])
+        return self._mine().ranges.setdefault(shard, [])
 
     def invalidate_stocks(self) -> None:
-        """Every thread drops its stock before its next batch (slots may have been
-        revoked: a file lost, a shrink); the next COMMIT returns what each lease holds."""
+        """Every thread drops its stock before its next batch (slots may have been taken
+        away: a file lost); the next COMMIT returns what each lease holds."""
         self._epoch += 1
 
     def take(self, shard: int, page_bytes: int, n: int) -> list[tuple[int, int]]:
         """Up to ``n`` slots (region, slot) of this size from this thread's stock, in
-        order (consecutive where the stock is). Call :meth:`refill` first if short."""
+        order (consecutive where the stock is). Fill the stock first (``commit_many`` with
+        a refill) if short."""
         out: list[tuple[int, int]] = []
         stock = self._stock(shard)
         kept: list[Range] = []
@@ -825,49 +989,83 @@ class Allocator:
         return sum(r.slots for r in self._stock(shard) if r.page_bytes == page_bytes)
 
     def commit_many(
-        self, calls: Sequence[tuple[int, Sequence[tuple[int, int, bytes, bytes]], Sequence[tuple[int, int]], Sequence[tuple[int, int]]]]
+        self,
+        calls: Sequence[tuple[int, Sequence[tuple[int, int, bytes, bytes]], Sequence[tuple[int, int]], Sequence[tuple[int, int, bool]]]],
     ) -> list[CommitResult]:
         """One COMMIT per (shard, commits, give-ups, refills), in one round trip.
 
         commits: (region, slot, entry field, checksum as 8 bytes); give-ups: (region,
-        slot) written in vain; refills: (page bytes, slots wanted in stock). The stock
-        each call returns replaces this thread's for that shard (the slots taken by
-        :meth:`take` are gone from both).
+        slot) written in vain; refills: (page bytes, slots wanted in stock, whether they
+        are needed now: only then may a refill evict pages). Statuses come
+        back in the order of ``commits``; consecutive slots of a region travel (and are
+        committed) as one run, so callers pass them in slot order. The stock each call
+        returns replaces this thread's for that shard (the slots taken by :meth:`take` are
+        gone from both).
         """
-        lease = self._lease()
-        outs = self.index.scripts([("COMMIT", self._keys[s], self._commit_args(lease, c, gu, rf, False))
-                                   for s, c, gu, rf in calls])
-        results = [_commit_result(o) for o in outs]
-        for (s, _, _, _), res in zip(calls, results):
-            self._stock(s)[:] = res.stock
+        mine = self._mine()
+        with mine.lock:
+            outs = self.index.scripts([("COMMIT", self._keys[s], self._commit_args(mine.lease, c, gu, rf, 0))
+                                       for s, c, gu, rf in calls])
+            results = [_commit_result(o) for o in outs]
+            for (s, _, _, _), res in zip(calls, results):
+                mine.ranges[s] = res.stock
+                self.capacity_regions[s] = res.capacity_regions
         return results
+
+    def tidy(self, draining: bool) -> int:
+        """Housekeeping of stocks: a thread that exited gives its whole stock back; with
+        regions ``draining``, an idle thread gives back its slots in them (a busy one does
+        at its next COMMIT). Returns how many stocks were tidied."""
+        with self._lock:
+            stocks = list(self._stocks.values())
+        done = 0
+        for st in stocks:
+            gone = not st.thread.is_alive()
+            if not gone and not draining:
+                continue
+            if not st.lock.acquire(blocking=False):
+                continue  # writing now: its COMMIT settles its slots
+            try:
+                for shard in list(st.ranges) if not gone else range(self.geometry.shards):
+                    res = _commit_result(self.index.script("COMMIT", self._keys[shard],
+                                                           self._commit_args(st.lease, (), (), (), 1 if gone else 2)))
+                    st.ranges[shard] = res.stock
+                done += 1
+                if gone:
+                    with self._lock:
+                        self._stocks.pop(st.lease, None)
+            finally:
+                st.lock.release()
+        return done
 
     def forget_stock(self, shard: int) -> None:
         """After a COMMIT whose outcome is unknown: start over from what the lease holds."""
         self._stock(shard).clear()
 
     def _commit_args(self, lease: str, commits: Sequence[tuple[int, int, bytes, bytes]], give_up: Sequence[tuple[int, int]],
-                     refill: Sequence[tuple[int, int]], release: bool) -> list[Any]:
+                     refill: Sequence[tuple[int, int, bool]], release: int) -> list[Any]:
         now = self.clock()
-        args: list[Any] = [self.geometry.store_id, lease, repr(now), repr(now + self.lease_s), self.dirs, int(release), len(commits)]
-        for c in commits:
-            args.extend(c)
-        args.append(len(give_up))
-        for gu in give_up:
-            args.extend(gu)
+        runs = _runs([(r, sl) for r, sl, _, _ in commits])
+        args: list[Any] = [self.geometry.store_id, lease, repr(now), repr(now + self.lease_s), self.dirs, release, len(runs)]
+        for a, b in runs:
+            args += [commits[a][0], commits[a][1], b - a, b"".join(c[2] for c in commits[a:b]), b"".join(c[3] for c in commits[a:b])]
+        gruns = _runs(give_up)
+        args.append(len(gruns))
+        for a, b in gruns:
+            args += [give_up[a][0], give_up[a][1], b - a]
         args.append(len(refill))
-        for r in refill:
-            args.extend(r)
+        for pb, want, now_needed in refill:
+            args += [pb, want, int(now_needed)]
         return args
 
     def release_all(self) -> None:
         """Give every lease of this process back (on close): its unused slots are not
         held until they expire."""
         with self._lock:
-            leases = list(self._leases)
+            leases = list(self._stocks)
         for lease in leases:
             for shard in range(self.geometry.shards):
-                self.index.script("COMMIT", self._keys[shard], self._commit_args(lease, (), (), (), True))
+                self.index.script("COMMIT", self._keys[shard], self._commit_args(lease, (), (), (), 1))
 
     # -- pages -----------------------------------------------------------------------
 
@@ -915,20 +1113,27 @@ class Allocator:
 
     # -- housekeeping ------------------------------------------------------------------
 
-    def sweep(self, shard: int, keep_free: int, max_work: int) -> tuple[int, int, int, int, list[int]]:
+    def sweep(self, shard: int, free_target: float, max_work: int) -> tuple[int, int, int, int, int, list[int]]:
         """(leases expired, slots given back, regions evicted, pages evicted, regions
-        deallocated: the caller punches them out of their files)."""
+        draining, holes in our directories whose space the caller is to punch out and
+        report with :meth:`punched`)."""
         now = self.clock()
         with self._lock:
-            leases = list(self._leases)
-        args: list[Any] = [self.geometry.store_id, repr(now), repr(now + self.lease_s), self.dirs, keep_free, max_work,
+            leases = list(self._stocks)
+        args: list[Any] = [self.geometry.store_id, repr(now), repr(now + self.lease_s), self.dirs, repr(free_target), max_work,
                            repr(now - self.lease_s), len(leases), *leases]
         out = [int(x) for x in self.index.script("SWEEP", self._keys[shard], args)]
-        return out[0], out[1], out[2], out[3], out[5 : 5 + out[4]]
+        return out[0], out[1], out[2], out[3], out[4], out[6 : 6 + out[5]]
+
+    def punched(self, shard: int, regions: Sequence[int]) -> int:
+        """These holes' space is punched out: they may be allocated again."""
+        if not regions:
+            return 0
+        return int(self.index.script("PUNCHED", self._keys[shard], [self.geometry.store_id, *regions]))
 
     def counts(self, shard: int) -> dict[str, int]:
         names = ("capacity_regions", "allocated_regions", "regions", "used_regions", "free_regions", "hole_regions",
-                 "leases", "files", "next_file")
+                 "punch_regions", "draining_regions", "leases", "files", "next_file")
         out = self.index.script("COUNTS", self._keys[shard], [self.geometry.store_id])
         return dict(zip(names, (int(x) for x in out)))
 
@@ -936,15 +1141,26 @@ class Allocator:
         return self._keys[shard]
 
 
+def _runs(slots: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """[start, end) index ranges of ``slots`` that are consecutive slots of one region."""
+    out: list[tuple[int, int]] = []
+    start = 0
+    for k in range(1, len(slots) + 1):
+        if k == len(slots) or slots[k][0] != slots[k - 1][0] or slots[k][1] != slots[k - 1][1] + 1:
+            out.append((start, k))
+            start = k
+    return out
+
+
 def _commit_result(out: Sequence[Any]) -> CommitResult:
-    flags, evicted, pages, n = (int(x) for x in out[:4])
-    status = [int(x) for x in out[4 : 4 + n]]
-    k = 4 + n
+    flags, evicted, pages, cap, n = (int(x) for x in out[:5])
+    status = [int(x) for x in out[5 : 5 + n]]
+    k = 5 + n
     nfresh = int(out[k])
     fresh = [int(x) for x in out[k + 1 : k + 1 + nfresh]]
     rest = [int(x) for x in out[k + 1 + nfresh :]]
     stock = [Range(*rest[j : j + 4]) for j in range(0, len(rest), 4)]
-    return CommitResult(status, stock, fresh, bool(flags & 1), bool(flags & 2), bool(flags & 4), evicted, pages)
+    return CommitResult(status, stock, fresh, bool(flags & 1), bool(flags & 2), bool(flags & 4), evicted, pages, cap)
 
 
 def _text(v: Any) -> str:
@@ -965,6 +1181,3 @@ def shard_conf(geometry: Geometry, shard: int, capacity: int) -> dict[str, Any]:
         "creating": 0,
     }
 
-
-def keep_free_regions(free_target: float, capacity_regions: int) -> int:
-    return int(math.floor(free_target * capacity_regions))

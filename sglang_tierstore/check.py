@@ -5,11 +5,12 @@ stop counting as pages.
 
 Every slot of every region must be in exactly one state: beyond ``fill`` (free), in
 one writer's lease, holding a committed page (its member field names an entry that
-points back at it), or dead (none of those; reclaimed with the region). Checked in
-both directions: region -> members -> entries, and entry -> region -> member. Region
-states must match the sets that hold them (in use: ``lru``; free: ``free``; hole:
-``holes``), the shard's counters must match the sets, allocation must be within
-capacity, every ready page file in our directories must be the file the index names,
+points back at it), or dead (none of those; reclaimed with the region). Every region
+is in exactly one state, matching the one set that holds it: in use (``lru``), free
+(``free``), draining (``drain``: leaving, waiting for leased slots), or a hole
+(``holes``, or ``punch`` while its space is still to be punched out). Checked in
+both directions: region -> members -> entries, and entry -> region -> member. The shard's counters must match the sets, allocation (less draining regions) must
+be within capacity, every ready page file in our directories must be the file the index names,
 and no page file may sit in them that the index does not know. With
 ``verify_pages`` every committed page is read and its checksum compared.
 
@@ -32,7 +33,19 @@ from typing import TYPE_CHECKING, Any, Optional
 from sglang_tierstore.allocator import slots_per_region
 from sglang_tierstore.errors import PageIOError
 from sglang_tierstore.pagefile import checksum
-from sglang_tierstore.schema import ALIGN, ENTRY, FIELD_BYTES, FREE, HOLE, REGION, SHARD_KEYS, USED, unpack_entry, unpack_region
+from sglang_tierstore.schema import (
+    ALIGN,
+    DRAINING,
+    ENTRY,
+    FIELD_BYTES,
+    FREE,
+    HOLE,
+    REGION,
+    SHARD_KEYS,
+    USED,
+    unpack_entry,
+    unpack_region,
+)
 
 if TYPE_CHECKING:
     from sglang_tierstore.store import TierStore, _Attached
@@ -56,13 +69,15 @@ def check(store: "TierStore", fix: bool = False, verify_pages: bool = True, chun
 def _counts(a: "_Attached", shard: int) -> list[str]:
     c = a.alloc.counts(shard)
     out = []
-    if c["regions"] != c["used_regions"] + c["free_regions"] + c["hole_regions"]:
-        out.append(f"shard {shard}: {c['regions']} regions but {c['used_regions']} in use + {c['free_regions']} free + "
-                   f"{c['hole_regions']} holes")
-    if c["allocated_regions"] != c["used_regions"] + c["free_regions"]:
-        out.append(f"shard {shard}: {c['allocated_regions']} regions counted allocated, {c['used_regions'] + c['free_regions']} are")
-    if c["allocated_regions"] > c["capacity_regions"]:
-        out.append(f"shard {shard}: {c['allocated_regions']} regions allocated, capacity is {c['capacity_regions']}")
+    states = c["used_regions"] + c["free_regions"] + c["hole_regions"] + c["punch_regions"] + c["draining_regions"]
+    if c["regions"] != states:
+        out.append(f"shard {shard}: {c['regions']} regions but {states} in use, free, draining or holes")
+    allocated = c["used_regions"] + c["free_regions"] + c["draining_regions"]
+    if c["allocated_regions"] != allocated:
+        out.append(f"shard {shard}: {c['allocated_regions']} regions counted allocated, {allocated} are")
+    if c["allocated_regions"] - c["draining_regions"] > c["capacity_regions"]:
+        out.append(f"shard {shard}: {c['allocated_regions']} regions allocated ({c['draining_regions']} draining), "
+                   f"capacity is {c['capacity_regions']}")
     return out
 
 
@@ -99,35 +114,45 @@ def _regions(store: "TierStore", a: "_Attached", shard: int, chunk: int, fix: bo
         pos = 0
         views = []
         for r in ids:
-            rec, blob, lru, in_free, in_holes, open_r, n = snap[pos : pos + 7]
-            values = snap[pos + 7 : pos + 7 + int(n)]
-            pos += 7 + int(n)
-            views.append((r, rec, blob, lru, int(in_free), int(in_holes), open_r, values))
+            rec, blob, lru, in_free, in_holes, in_punch, in_drain, open_r, n = snap[pos : pos + 9]
+            values = snap[pos + 9 : pos + 9 + int(n)]
+            pos += 9 + int(n)
+            views.append((r, rec, blob, lru, (bool(lru), bool(in_free), bool(in_holes), bool(in_punch), bool(in_drain)),
+                          open_r, values))
         nleases = int(snap[pos])
         flat = snap[pos + 1 : pos + 1 + 2 * nleases]
         leased = _ranges(dict(zip(flat[::2], flat[1::2])))
         for view in views:
             out += _region_problems(g, view, leased.get(view[0], []), dangling)
     if fix:
-        a.alloc.unlink_members(shard, dangling)
+        a.alloc.unlink_members(shard, sorted(set(dangling)))  # HSCAN may return a region twice
     return out
 
 
 def _region_problems(g: Any, view: tuple[Any, ...], ranges: list[tuple[bytes, int, int]],
                      dangling: list[tuple[int, int, bytes]]) -> list[str]:
     """Problems of one region; members whose entry is not theirs go to ``dangling``."""
-    r, rec, blob, lru, in_free, in_holes, open_r, values = view
+    r, rec, blob, lru, sets, open_r, values = view
     where = f"region {r}"
     if len(rec) != REGION.size:
         return [f"{where}: unreadable record"]
     reg = unpack_region(rec)
-    sets = (bool(lru), bool(in_free), bool(in_holes))
-    want = {USED: (True, False, False), FREE: (False, True, False), HOLE: (False, False, True)}.get(reg.state)
+    # in (lru, free, holes, punch, drain): a hole is allocatable once punched
+    want = {USED: [(True, False, False, False, False)], FREE: [(False, True, False, False, False)],
+            HOLE: [(False, False, True, False, False), (False, False, False, True, False)],
+            DRAINING: [(False, False, False, False, True)]}.get(reg.state)
     out = []
     if want is None:
         return [f"{where}: unknown state {reg.state}"]
-    if sets != want:
-        out.append(f"{where}: state {reg.state} but in lru/free/holes = {sets}")
+    if sets not in want:
+        out.append(f"{where}: state {reg.state} but in lru/free/holes/punch/drain = {sets}")
+    if reg.state == DRAINING:
+        if reg.live or blob or not reg.leased or (open_r and int(open_r) == r):
+            out.append(f"{where}: draining but holds pages, no leased slot, or takes new ones")
+        held = {i for _, s0, c in ranges for i in range(s0, s0 + c)}
+        if len(held) != reg.leased or any(i >= reg.fill for i in held):
+            out.append(f"{where}: draining with {reg.leased} slots counted leased, leases hold {len(held)}")
+        return out
     if reg.state != USED:
         if reg.fill or reg.live or reg.leased or blob or ranges:
             out.append(f"{where}: not in use but holds slots (fill {reg.fill}, live {reg.live}, leased {reg.leased})")

@@ -31,7 +31,8 @@ import json
 import os
 import re
 import threading
-from typing import Callable, NamedTuple, Optional, Sequence
+from contextlib import contextmanager
+from typing import Callable, Iterator, NamedTuple, Optional, Sequence
 
 import xxhash
 
@@ -63,11 +64,21 @@ class FileRecord(NamedTuple):
     state: str  # c creating, r ready, l lost
 
 
-class _Open(NamedTuple):
-    fd: int  # buffered
-    dfd: int  # O_DIRECT, or -1
-    ino: int
-    path: str
+class _Open:
+    """An open page file. Its fds close when it has been forgotten and the last I/O
+    using it has ended (never under a running preadv/pwritev: the number could be reused)."""
+
+    __slots__ = ("fd", "dfd", "ino", "path", "users", "retired")
+
+    def __init__(self, fd: int, dfd: int, ino: int, path: str) -> None:
+        self.fd, self.dfd, self.ino, self.path = fd, dfd, ino, path
+        self.users = 0
+        self.retired = False
+
+    def close(self) -> None:
+        for f in (self.fd, self.dfd):
+            if f >= 0:
+                os.close(f)
 
 
 class PageFiles:
@@ -140,13 +151,30 @@ class PageFiles:
         except OSError as e:
             raise PageIOError(e.errno, f"cannot remove {path}, which the index does not account for: {e.strerror}") from e
 
-    def _handle(self, file_no: int) -> _Open:
-        h = self._open.get(file_no)
-        if h is not None:
-            return h
+    @contextmanager
+    def _using(self, file_no: int) -> Iterator[_Open]:
+        """An open handle, held for the duration of one I/O."""
         with self._lock:
             h = self._open.get(file_no)
             if h is not None:
+                h.users += 1
+        if h is None:
+            h = self._handle(file_no)
+        try:
+            yield h
+        finally:
+            with self._lock:
+                h.users -= 1
+                last = h.retired and h.users == 0
+            if last:
+                h.close()
+
+    def _handle(self, file_no: int) -> _Open:
+        """Open a file (counted as one user)."""
+        with self._lock:
+            h = self._open.get(file_no)
+            if h is not None:
+                h.users += 1
                 return h
             rec = self._resolve(file_no)
             if rec is None or rec.state == "l":
@@ -177,6 +205,7 @@ class PageFiles:
             except BaseException:
                 os.close(fd)
                 raise
+            h.users = 1
             self._open[file_no] = h
             return h
 
@@ -190,20 +219,24 @@ class PageFiles:
 
     def ensure_open(self, file_no: int) -> None:
         """Open a file now (raising FileGone if it is not the one the index names)."""
-        self._handle(file_no)
+        with self._using(file_no):
+            pass
 
     def forget(self, file_no: int) -> None:
-        """Close a file (it is gone, or is being removed)."""
+        """Close a file (it is gone, or is being removed) once no I/O uses it."""
         with self._lock:
             h = self._open.pop(file_no, None)
-        if h is not None:
-            for f in (h.fd, h.dfd):
-                if f >= 0:
-                    os.close(f)
+            if h is None:
+                return
+            h.retired = True
+            last = h.users == 0
+        if last:
+            h.close()
 
     def still_there(self, file_no: int) -> None:
         """Raise FileGone if the file's path no longer leads to the inode we use."""
-        h = self._open.get(file_no)
+        with self._lock:
+            h = self._open.get(file_no)
         if h is None:
             return
         try:
@@ -216,56 +249,57 @@ class PageFiles:
             raise FileGone(errno.ESTALE, f"page file {h.path} was deleted or replaced")
 
     def open_files(self) -> list[int]:
-        return list(self._open)
+        with self._lock:
+            return list(self._open)
 
     # -- space -------------------------------------------------------------------------
 
     def allocate(self, region: int) -> None:
         """Give a region disk space (it was a hole)."""
-        h = self._handle(self.geometry.file_of(region))
-        try:
-            os.posix_fallocate(h.fd, self.geometry.region_offset(region), self.geometry.region_bytes)
-        except OSError as e:
-            raise PageIOError(e.errno, f"cannot allocate region {region} in {h.path}: {e.strerror}") from e
+        with self._using(self.geometry.file_of(region)) as h:
+            try:
+                os.posix_fallocate(h.fd, self.geometry.region_offset(region), self.geometry.region_bytes)
+            except OSError as e:
+                raise PageIOError(e.errno, f"cannot allocate region {region} in {h.path}: {e.strerror}") from e
 
     def punch(self, region: int) -> None:
         """Return a region's disk space (it became a hole)."""
-        h = self._handle(self.geometry.file_of(region))
         off, n = self.geometry.region_offset(region), self.geometry.region_bytes
-        if _libc.fallocate(h.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, off, n) != 0:
-            e = ctypes.get_errno()
-            raise PageIOError(e, f"cannot punch region {region} out of {h.path}: {os.strerror(e)}")
+        with self._using(self.geometry.file_of(region)) as h:
+            if _libc.fallocate(h.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, off, n) != 0:
+                e = ctypes.get_errno()
+                raise PageIOError(e, f"cannot punch region {region} out of {h.path}: {os.strerror(e)}")
 
     # -- I/O ---------------------------------------------------------------------------
 
     def read(self, file_no: int, offset: int, bufs: Sequence[memoryview], nbytes: int, aligned: bool) -> None:
         """Read ``nbytes`` at ``offset`` into ``bufs`` (adjacent slots) with one preadv."""
-        h = self._handle(file_no)
-        fd = h.dfd if aligned and h.dfd >= 0 else h.fd
-        try:
-            n = os.preadv(fd, bufs, offset)
-        except OSError as e:
-            raise PageIOError(e.errno, f"read at {offset} of {h.path} failed: {e.strerror}") from e
+        with self._using(file_no) as h:
+            fd = h.dfd if aligned and h.dfd >= 0 else h.fd
+            try:
+                n = os.preadv(fd, bufs, offset)
+            except OSError as e:
+                raise PageIOError(e.errno, f"read at {offset} of {h.path} failed: {e.strerror}") from e
         if n != nbytes:
             raise FileGone(errno.ESTALE, f"short read at {offset} of {h.path} ({n} of {nbytes} bytes): the file was truncated")
 
     def write(self, file_no: int, offset: int, bufs: Sequence[memoryview], nbytes: int, aligned: bool) -> None:
         """Write ``bufs`` (``nbytes``, adjacent slots) at ``offset`` with one pwritev."""
-        h = self._handle(file_no)
-        fd = h.dfd if aligned and h.dfd >= 0 else h.fd
-        try:
-            n = _pwritev_all(fd, bufs, offset, nbytes)
-        except OSError as e:
-            raise PageIOError(e.errno, f"write at {offset} of {h.path} failed: {e.strerror}") from e
+        with self._using(file_no) as h:
+            fd = h.dfd if aligned and h.dfd >= 0 else h.fd
+            try:
+                n = _pwritev_all(fd, bufs, offset, nbytes)
+            except OSError as e:
+                raise PageIOError(e.errno, f"write at {offset} of {h.path} failed: {e.strerror}") from e
         if n != nbytes:
             raise PageIOError(errno.EIO, f"short write at {offset} of {h.path} ({n} of {nbytes} bytes)")
 
     def sync(self, file_no: int) -> None:
-        h = self._handle(file_no)
-        try:
-            os.fdatasync(h.fd)
-        except OSError as e:
-            raise PageIOError(e.errno, f"fdatasync of {h.path} failed: {e.strerror}") from e
+        with self._using(file_no) as h:
+            try:
+                os.fdatasync(h.fd)
+            except OSError as e:
+                raise PageIOError(e.errno, f"fdatasync of {h.path} failed: {e.strerror}") from e
 
     # -- listing -----------------------------------------------------------------------
 

@@ -14,6 +14,8 @@ in each of the store's directories (:mod:`sglang_tierstore.home`). Its keys, wit
     {T:s}:lru         zset   region id -> last use (regions holding pages)
     {T:s}:free        zset   region id -> placement order (allocated, empty)
     {T:s}:holes       zset   region id -> placement order (not allocated: no disk space)
+    {T:s}:punch       zset   region id -> placement order (not allocated, disk space still to punch out)
+    {T:s}:drain       zset   region id -> since (leaving: waits for its leased slots to come back)
     {T:s}:open        hash   page bytes -> the region now being filled for that page size
     {T:s}:leases      hash   lease id -> "region:start:count,..." slots leased to one writer
     {T:s}:deadlines   zset   lease id -> expiry time
@@ -26,9 +28,10 @@ Redis Cluster slot. Which shard a page belongs to: see :func:`shard_of`.
 
 from __future__ import annotations
 
+import binascii
 import hashlib
 import struct
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import xxhash
 
@@ -42,17 +45,19 @@ KEY_BYTES = 24
 ENTRY = struct.Struct("<IIIQ")  # region, region generation, slot, checksum
 ENTRY_HEAD_LUA = "<I4I4I4"
 
-# A region record. state: HOLE (no disk space), FREE (allocated, empty), USED (holds
-# or is receiving pages of one size). fill: slots handed out so far (append-only);
+# A region record. state: HOLE (not allocated: no disk space once punched), FREE
+# (allocated, empty), USED (holds or is receiving pages of one size), DRAINING (leaving
+# the store while writers still hold some of its slots: no pages, no new leases). fill: slots handed out so far (append-only);
 # live: slots holding a committed page; leased: slots handed out and not yet
 # committed or given up. Slots below fill that are neither are dead until the
 # region is reclaimed as a whole.
 REGION_FIELDS = (("page_bytes", 4), ("gen", 4), ("fill", 4), ("live", 4), ("leased", 4), ("state", 1))
 REGION = struct.Struct("<" + "".join({4: "I", 1: "B"}[n] for _, n in REGION_FIELDS))
 REGION_LUA = "<" + "".join(f"I{n}" for _, n in REGION_FIELDS)
-HOLE, FREE, USED = 0, 1, 2
+HOLE, FREE, USED, DRAINING = 0, 1, 2, 3
 
-SHARD_KEYS = ("conf", "entries", "regions", "members", "lru", "free", "holes", "open", "leases", "deadlines", "files")
+SHARD_KEYS = ("conf", "entries", "regions", "members", "lru", "free", "holes", "open", "leases", "deadlines", "files",
+              "punch", "drain")
 HEADER_BYTES = 4096  # a page file's header block; region 0 starts right after it
 ALIGN = 4096  # O_DIRECT alignment of buffers, offsets and slot sizes
 
@@ -93,14 +98,27 @@ def key_bytes(key: str) -> bytes:
     page in the entry and in its region's member list than the whole hash."""
     if len(key) == 64:
         try:
-            return bytes.fromhex(key)[:KEY_BYTES]
-        except ValueError:
+            return _unhex(key[:_KEY_HEX])
+        except (binascii.Error, ValueError):
             pass
     return hashlib.blake2b(key.encode(), digest_size=KEY_BYTES).digest()
 
 
+_unhex = binascii.unhexlify
+_KEY_HEX = 2 * KEY_BYTES
+
+
 def entry_field(ns_id: bytes, key: str) -> bytes:
     return ns_id + key_bytes(key)
+
+
+def entry_fields(ns_id: bytes, keys: Sequence[str]) -> list[bytes]:
+    """Entry fields of a batch: the hot path's one loop over keys (SGLang's hex keys are
+    converted without a function call per key)."""
+    try:
+        return [ns_id + _unhex(k[:_KEY_HEX]) if len(k) == 64 else ns_id + key_bytes(k) for k in keys]
+    except (binascii.Error, ValueError):  # a 64-character key that is not hex
+        return [entry_field(ns_id, k) for k in keys]
 
 
 def shard_of(field: bytes, shards: int) -> int:
@@ -129,5 +147,5 @@ def lua_prelude() -> str:
     return (
         f"local {names} = unpack(KEYS, 1, {len(SHARD_KEYS)})\n"
         f"local ENTRY_HEAD, REGION_FMT, FIELD = '{ENTRY_HEAD_LUA}', '{REGION_LUA}', {FIELD_BYTES}\n"
-        f"local HOLE, FREE, USED, ALIGN = {HOLE}, {FREE}, {USED}, {ALIGN}\n"
+        f"local HOLE, FREE, USED, DRAINING, ALIGN = {HOLE}, {FREE}, {USED}, {DRAINING}, {ALIGN}\n"
     )

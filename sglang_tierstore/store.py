@@ -35,7 +35,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import xxhash
 
 from sglang_tierstore import home
-from sglang_tierstore.allocator import EXISTS, STORED, Allocator, CommitResult, keep_free_regions, slots_per_region
+from sglang_tierstore.allocator import EXISTS, STORED, Allocator, CommitResult, slots_per_region
 from sglang_tierstore.check import check as check_store
 from sglang_tierstore.config import TierStoreConfig
 from sglang_tierstore.errors import FileGone, IndexUnavailable, PageIOError, StoreDetached, TierStoreError
@@ -48,6 +48,7 @@ from sglang_tierstore.schema import (
     SHARD_KEYS,
     USED,
     entry_field,
+    entry_fields,
     meta_key,
     round_up,
     shard_of,
@@ -59,7 +60,7 @@ logger = logging.getLogger(__name__)
 
 Regions = Sequence[memoryview]
 IOV_MAX = 1024  # iovecs in one preadv/pwritev
-MAX_RUN_BYTES = 16 << 20  # one coalesced I/O at most; a batch is also spread over the threads
+MAX_RUN_BYTES = 1 << 20  # one coalesced I/O at most (larger ones were slower here: scripts/results/bench_io.txt)
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +157,7 @@ class TierStore:
         if a is None:
             return None
         rec = a.records.get(file_no)
-        if rec is None:
+        if rec is None or rec.state == "c":  # unknown here, or ready by now
             shard = a.att.geometry.shard_of_file(file_no)
             fresh = {f: FileRecord(*v) for f, v in a.alloc.files(shard).items()}
             with a.lock:
@@ -212,7 +213,7 @@ class TierStore:
     def exists(self, groups: Sequence[tuple[Namespace, Sequence[str]]]) -> list[list[bool]]:
         """Presence of each key of each (namespace, keys) group, in one round trip."""
         a = self.attached()
-        fields = [entry_field(ns.ns_id, k) for ns, keys in groups for k in keys]
+        fields = [f for ns, keys in groups for f in entry_fields(ns.ns_id, keys)]
         found = self._lookup(a, fields)
         out, i = [], 0
         for _, keys in groups:
@@ -248,7 +249,7 @@ class TierStore:
         t0 = mod_time.perf_counter()
         a = self.attached()
         g = a.att.geometry
-        fields = [entry_field(ns.ns_id, k) for k in keys]
+        fields = entry_fields(ns.ns_id, keys)
         raws = self._lookup(a, fields)
         lead = next((i for i, v in enumerate(raws) if v is None), len(raws))
         results = [False] * len(keys)
@@ -311,7 +312,7 @@ class TierStore:
     def _io_failure(self, a: _Attached, kind: str, file_no: int, e: BaseException) -> None:
         if isinstance(e, FileGone):
             self._file_gone(a, file_no, e)
-        elif isinstance(e, PageIOError):
+        elif isinstance(e, (PageIOError, IndexUnavailable)):
             self.metrics.error(kind)
             self.log.warning(kind, "%s: %s", kind, e)
         else:
@@ -337,7 +338,9 @@ class TierStore:
             return sum(a.alloc.drop(s, part) for s, part in parts.items())
         except StoreDetached as e:
             self.detach(e, a)
-            return 0
+        except IndexUnavailable as e:  # the pages were misses all the same; the next read drops them
+            self.log.warning("index", "dropping %d bad page(s) failed: %s", len(entries), e)
+        return 0
 
     # -- write --------------------------------------------------------------------
 
@@ -349,7 +352,8 @@ class TierStore:
         t0 = mod_time.perf_counter()
         a = self.attached()
         try:
-            results = self._write(a, ns, keys, srcs, aligned)
+            with a.alloc.writing():
+                results = self._write(a, ns, keys, srcs, aligned)
         except StoreDetached as e:
             self.detach(e, a)
             results = [False] * len(keys)
@@ -357,17 +361,17 @@ class TierStore:
         self.metrics.observe("write", mod_time.perf_counter() - t0)
         return results
 
-    def _stock_target(self, a: _Attached, page_bytes: int, n: int) -> int:
+    def _stock_target(self, a: _Attached, shard: int, page_bytes: int, n: int) -> int:
         """Slots to keep in stock after a batch of ``n``: the same again, but never more
         than 1/16 of the shard's capacity (a stock holds space while it waits)."""
         g = a.att.geometry
-        share = self.cfg.capacity_bytes // g.shards // 16
-        return max(1, min(n, share // round_up(page_bytes)))
+        regions = a.alloc.capacity_regions[shard] or g.capacity_share(self.cfg.capacity_bytes, shard)
+        return max(1, min(n, regions * g.region_bytes // 16 // round_up(page_bytes)))
 
     def _write(self, a: _Attached, ns: Namespace, keys: Sequence[str], srcs: Sequence[Regions], aligned: bool) -> list[bool]:
         g, alloc = a.att.geometry, a.alloc
         pb = ns.page_bytes
-        fields = [entry_field(ns.ns_id, k) for k in keys]
+        fields = entry_fields(ns.ns_id, keys)
         parts: dict[int, list[int]] = {}
         for i, f in enumerate(fields):
             parts.setdefault(shard_of(f, g.shards), []).append(i)
@@ -400,12 +404,12 @@ class TierStore:
             except PageIOError as e:
                 self._io_failure(a, "io_write", file_no, e)
                 failed.update(p[0] for run in runs if run[0][1] == file_no for p in run)
-        calls: list[tuple[int, list[int], list[tuple[int, int, bytes, bytes]], list[tuple[int, int]], list[tuple[int, int]]]] = []
+        calls: list[tuple[int, list[int], list[tuple[int, int, bytes, bytes]], list[tuple[int, int]], list[tuple[int, int, bool]]]] = []
         for s, idx in parts.items():
-            done = [i for i in idx if i in slots and i not in failed]
+            done = sorted((i for i in idx if i in slots and i not in failed), key=slots.__getitem__)  # runs of slots
             commits = [(*slots[i], fields[i], sums[i]) for i in done]
-            give_up = [slots[i] for i in idx if i in failed]
-            calls.append((s, done, commits, give_up, [(pb, self._stock_target(a, pb, len(idx)))]))
+            give_up = sorted(slots[i] for i in idx if i in failed)
+            calls.append((s, done, commits, give_up, [(pb, self._stock_target(a, s, pb, len(idx)), False)]))
         try:
             outs = alloc.commit_many([(s, c, gu, rf) for s, _, c, gu, rf in calls])
         except IndexUnavailable:
@@ -437,7 +441,7 @@ class TierStore:
             short = [s for s, n in need.items() if alloc.stocked(s, page_bytes) < n]
             if not short:
                 return
-            outs = alloc.commit_many([(s, [], [], [(page_bytes, need[s])]) for s in short])
+            outs = alloc.commit_many([(s, [], [], [(page_bytes, need[s], True)]) for s in short])
             retry = False
             for s, res in zip(short, outs):
                 self._after_commit(a, s, res)
@@ -456,7 +460,7 @@ class TierStore:
         for r in res.fresh:  # regions that were holes: give them disk space before use
             try:
                 a.files.allocate(r)
-            except PageIOError as e:
+            except TierStoreError as e:  # the write goes on: space is then taken as pages land
                 self._io_failure(a, "allocate", a.att.geometry.file_of(r), e)
 
     def _add_file(self, a: _Attached, shard: int) -> None:
@@ -499,10 +503,10 @@ class TierStore:
         a = self.attached()
         g = a.att.geometry
         work = 0
+        draining = 0
         for s in range(g.shards):
-            keep = keep_free_regions(self.cfg.free_target, g.capacity_share(self.cfg.capacity_bytes, s))
             try:
-                expired, slots, evicted, pages, dealloc = a.alloc.sweep(s, keep, max_work)
+                expired, slots, evicted, pages, drain, punch = a.alloc.sweep(s, self.cfg.free_target, max_work)
             except StoreDetached as e:
                 self.detach(e, a)
                 return work
@@ -510,15 +514,17 @@ class TierStore:
             self.metrics.housekeeping("slots_reclaimed", slots)
             self.metrics.housekeeping("evicted", evicted)
             self.metrics.housekeeping("pages_evicted", pages)
-            self.metrics.housekeeping("deallocated", len(dealloc))
-            if dealloc:
-                a.alloc.invalidate_stocks()  # shrinking may have taken leased regions
-            for r in dealloc:
+            punched = []
+            for r in punch:  # holes whose space is still on disk
                 try:
                     a.files.punch(r)
-                except PageIOError as e:
+                    punched.append(r)
+                except PageIOError as e:  # stays queued: tried again next time
                     self._io_failure(a, "punch", g.file_of(r), e)
-            work += expired + evicted + len(dealloc)
+            self.metrics.housekeeping("deallocated", a.alloc.punched(s, punched))
+            draining += drain
+            work += expired + evicted + len(punched)
+        self.metrics.housekeeping("stocks_tidied", a.alloc.tidy(draining > 0))
         return work
 
     def forget_lost_files(self, max_work: int) -> None:

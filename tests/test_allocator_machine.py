@@ -163,7 +163,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         proc = self.procs[0]
         assert proc.check() == []
         u = proc.usage()
-        assert u["allocated_bytes"] <= self.capacity
+        # regions still holding slots leased to a writer drain out when it gives them back
+        assert u["allocated_bytes"] - u["draining_regions"] * u["region_bytes"] <= self.capacity
 
     def teardown(self) -> None:
         for p in self.procs:
