@@ -200,6 +200,7 @@ def attach(index: RedisIndex, prefix: str, paths: Sequence[str], capacity: int, 
         if store_id is None:
             store_id = secrets.token_hex(8)
             rb = region_bytes_for(capacity)
+            shards = max(1, min(shards, capacity // rb))  # every shard gets a region at least
             meta = {"format": str(FORMAT), "region_bytes": str(rb), "shards": str(shards), "capacity": str(capacity),
                     "regions_per_file": str(regions_per_file_for(capacity, rb, len(paths))), "created": repr(mod_time.time())}
         tag = store_tag(prefix, store_id)
