@@ -19,20 +19,26 @@ Everything runs on the same directory, one page size at a time, batches of 128 p
   ts_steady    ts_v1 in steady state: the store holds 4 batches of this size and of a second
                page size (half as large), written in turn, so every round evicts regions of
                both sizes (inline or by housekeeping running alongside); nothing is cleared
+
 Reads are "cold" after fdatasync and POSIX_FADV_DONTNEED on every file written (the page
 cache dropped for them; the disk rounds too, though O_DIRECT bypasses it, so every system's
-reads start with its writes flushed) and "warm" right after. Every tierstore system starts as a store in use (4,096 entries that stay, see
-in_use()). Every round writes new keys; tierstore then drops them, which frees their
-regions for the next round, as a full store
-reuses evicted ones (and as the disk rounds overwrite the same file range): the first write
-into newly allocated space costs ext4 extra (unwritten extents), which only a store's first
-fill pays. ts_steady instead never drops anything. Rounds of all systems are interleaved, in a new random order (--seed) each
-time. Then the probe of 128 keys (all hit / first missing / last missing), in a store of
-4,224 entries (a store in use: Redis keeps a hash of at most 128 entries as a listpack,
-which it scans linearly), against one redis-py MGET of 128 string keys named like the
-entries (and one HMGET of the entries), and per-page cost with 4 KiB pages, where I/O is
-negligible. Each figure is the median of --repeat rounds (p90, p99 too); ratios compare
-medians of the same run. Starts its own redis-server.
+reads start with its writes flushed) and "warm" right after.
+
+Every tierstore system is a store of 4 batches' worth (regions of capacity / 16) that starts
+as a store in use (4,096 entries that stay, see in_use(); Redis keeps a hash of at most 128
+entries as a listpack, which it scans linearly) and has written all its regions once before
+it is timed: the first write into newly allocated space costs ext4 extra (unwritten
+extents), which only a store's first fill pays. Every round writes new keys; tierstore then
+drops them, which frees their regions for the next round, as a full store reuses evicted
+ones (and as the disk rounds overwrite the same file range), so these rounds never evict.
+ts_steady instead never drops anything and evicts every round. Rounds of all systems are
+interleaved, in a new random order (--seed) each time.
+
+Then the probe of 128 keys (all hit / first missing / last missing) in a store of 4,224
+entries, against one redis-py MGET of 128 string keys named like the entries (and one HMGET
+of the entries), and per-page cost with 4 KiB pages, where I/O is negligible. Each figure
+is the median of --repeat rounds (p90, p99 too); ratios compare medians of the same run.
+Starts its own redis-server.
 """
 
 from __future__ import annotations
@@ -204,10 +210,13 @@ def tierstore_rounds(path: str, redis_url: str, pool: Any, threads: int, v2: boo
     d = os.path.join(path, "tierstore-" + uuid.uuid4().hex[:6])
     ps = pool.page_size
     src, dst = page_indices(range(BATCH), ps), page_indices(range(BATCH, 2 * BATCH), ps)
-    be = backend(d, redis_url, threads, mla=mla)
+    be = backend(d, redis_url, threads, mla=mla, capacity_gb=4 * BATCH * page_bytes(pool) / (1 << 30))
     be.register_mem_pool_host(pool)
     be.register_mem_host_pool_v2(pool, PoolName.KV)
     in_use(be)
+    for _ in range(4):  # every region written once: rounds overwrite, as the disk rounds do
+        assert all(be.batch_set_v1([sgl_key() for _ in range(BATCH)], src))
+        be.store.clear([be._pool("kv").ns])
     info["o_direct_zero_copy"] = be._pool("kv").plan.aligned
     redis_s = count_redis_time(be)
     write_redis_ms: list[float] = []
@@ -252,7 +261,7 @@ def in_use(be: TierStoreBackend) -> None:
     emptied every round would time that instead of a store's index.)"""
     ns = be.store.namespace({"filler": 1}, 4096)
     page = [memoryview(bytearray(4096))]
-    for i in range(32):
+    for _ in range(32):
         assert all(be.store.write(ns, [sgl_key() for _ in range(BATCH)], [page] * BATCH, False))
 
 

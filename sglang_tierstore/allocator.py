@@ -233,6 +233,16 @@ local function set_members(r, list)
   redis.call('HSET', K_MEMBERS, r, table.concat(parts))
 end
 
+-- a page leaves its slot (its entry is gone): the region stops counting it; its member
+-- is zeroed, and the region settled, by finish_unlinks
+local zeroed, unlinked = {}, {}
+local function unlink_page(r, g, slot)
+  g.live = g.live - 1; touch(r); unlinked[r] = g
+  local z = zeroed[r]
+  if not z then z = {}; zeroed[r] = z end
+  z[#z + 1] = {slot, ZERO}
+end
+
 -- delete the entries of a region's pages; returns how many
 local pages_dropped = 0
 local function drop_pages(r, g)
@@ -295,6 +305,11 @@ end
 local function settle(r, g)
   if g.state == USED and g.live == 0 and g.leased == 0 and not is_open(r, g) then free_region(r, g)
   elseif g.state == DRAINING and g.leased == 0 then hole_region(r, g) end
+end
+
+local function finish_unlinks()
+  for r, list in pairs(zeroed) do set_members(r, list) end
+  for r, g in pairs(unlinked) do settle(r, g) end
 end
 
 local function parse_ranges(s)
@@ -601,7 +616,7 @@ return out
     # free again once nothing in it lives). returns how many were dropped
     DROP = _script(r"""
 if not attach() then return redis.error_reply('TSSTALE') end
-local n, zeroed, changed = 0, {}, {}
+local n = 0
 for i = 2, #ARGV, 2 do
   local field, seen = ARGV[i], ARGV[i + 1]
   local v = redis.call('HGET', K_ENTRIES, field)
@@ -611,17 +626,11 @@ for i = 2, #ARGV, 2 do
     if #v >= 12 then
       local r, gen, slot = struct.unpack(ENTRY_HEAD, v)
       local g = region(r)
-      if g and g.state == USED and g.gen == gen then
-        g.live = g.live - 1; touch(r); changed[r] = g
-        local z = zeroed[r]
-        if not z then z = {}; zeroed[r] = z end
-        z[#z + 1] = {slot, ZERO}
-      end
+      if g and g.state == USED and g.gen == gen then unlink_page(r, g, slot) end
     end
   end
 end
-for r, list in pairs(zeroed) do set_members(r, list) end
-for r, g in pairs(changed) do settle(r, g) end
+finish_unlinks()
 flush()
 return n
 """)
@@ -798,8 +807,7 @@ return {left, pages_dropped}
     # returns how many were unlinked
     UNLINK_MEMBERS = _script(r"""
 if not attach() then return redis.error_reply('TSSTALE') end
-local n, zeroed, changed = 0, {}, {}
-local seen = {}
+local n, seen = 0, {}
 for i = 2, #ARGV, 3 do
   local r, slot, field = tonumber(ARGV[i]), tonumber(ARGV[i + 1]), ARGV[i + 2]
   local g = region(r)
@@ -814,16 +822,12 @@ for i = 2, #ARGV, 3 do
       here = er == r and eg == g.gen and es == slot
     end
     if not here then
-      g.live = g.live - 1; touch(r); changed[r] = g
-      local z = zeroed[r]
-      if not z then z = {}; zeroed[r] = z end
-      z[#z + 1] = {slot, ZERO}
+      unlink_page(r, g, slot)
       n = n + 1
     end
   end
 end
-for r, list in pairs(zeroed) do set_members(r, list) end
-for r, g in pairs(changed) do settle(r, g) end
+finish_unlinks()
 flush()
 return n
 """)

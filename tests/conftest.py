@@ -104,6 +104,15 @@ def keys(n: int, tag: str = "k") -> list[str]:
     return [hashlib.sha256(f"{tag}{i}".encode()).hexdigest() for i in range(n)]
 
 
+def flip_byte(path: str, offset: int) -> None:
+    """Bit rot: one byte of a file changes under the store."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x5A]))
+
+
 def page_files_bytes(path: str) -> int:
     total = 0
     for root, _, names in os.walk(path):

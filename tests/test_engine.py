@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import RedisProc, keys
+from conftest import RedisProc, flip_byte, keys
 from engine_kit import MiB, engine, housekeep, pages, read, views
 
 from sglang_tierstore.errors import PageIOError
@@ -98,14 +98,6 @@ def test_bad_buffers_are_clear_errors_and_lose_nothing(cfg: dict[str, Any]) -> N
         st.close()
 
 
-def _flip(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x5A]))
-
-
 def test_a_checksum_mismatch_is_a_miss_and_drops_only_that_entry(cfg: dict[str, Any]) -> None:
     st = engine(cfg, o_direct=False)
     try:
@@ -115,7 +107,7 @@ def test_a_checksum_mismatch_is_a_miss_and_drops_only_that_entry(cfg: dict[str, 
         assert st.write(ns, ks, views(src), False) == [True] * 4
         where = st.where(ns, ks[1])
         assert where is not None
-        _flip(where[0], where[1] + 8191)
+        flip_byte(where[0], where[1] + 8191)
         assert [p for p in st.check(fix=False) if "checksum mismatch" in p] != []
         ok, got = read(st, ns, ks)
         assert ok == [True, False, True, True] and got[0] == src[0] and got[2:] == src[2:]
@@ -137,7 +129,7 @@ def test_check_fix_drops_what_does_not_verify(cfg: dict[str, Any]) -> None:
         assert st.write(ns, ks, views(pages(3, 4096, 8)), False) == [True] * 3
         where = st.where(ns, ks[2])
         assert where is not None
-        _flip(where[0], where[1])
+        flip_byte(where[0], where[1])
         problems = st.check(fix=True)
         assert len(problems) == 1 and "checksum mismatch" in problems[0]
         assert st.exists([(ns, ks)]) == [[True, True, False]]

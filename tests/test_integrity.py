@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 import redis
 import torch
+from conftest import flip_byte
 from pools import fill, keys, mha_pool, mla_pool, page_bytes, page_indices, storage_config
 
 from sglang_tierstore import TierStoreBackend
@@ -66,14 +67,6 @@ def _slot_offset(be: TierStoreBackend, key: str) -> tuple[str, int, int]:
     return where[0], where[1], ns.page_bytes
 
 
-def _flip(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x5A]))
-
-
 def test_flipped_bytes_are_misses_and_drop_the_entry(extra: dict[str, Any]) -> None:
     pool = mha_pool("page_first_direct")
     fill(pool, 3)
@@ -82,9 +75,9 @@ def test_flipped_bytes_are_misses_and_drop_the_entry(extra: dict[str, Any]) -> N
         be.register_mem_pool_host(pool)
         assert be.batch_set_v1(ks, page_indices(range(4), 4)) == [True] * 4
         path, off, n = _slot_offset(be, ks[1])
-        _flip(path, off + n - 1)  # last byte of page 1
+        flip_byte(path, off + n - 1)  # last byte of page 1
         path, off, _ = _slot_offset(be, ks[3])
-        _flip(path, off)  # first byte of page 3
+        flip_byte(path, off)  # first byte of page 3
         assert be.check() != []  # check sees both before any read does
         fill(pool, 99)
         before = page_bytes(pool, 10)

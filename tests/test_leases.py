@@ -203,7 +203,7 @@ def test_stock_ranges_survive_an_index_hiccup_after_io(cfg: dict[str, Any], priv
         ns = st.namespace({"m": 1}, MiB)
         assert st.write(ns, keys(4, "a"), views(pages(4, MiB, 10)), False) == [True] * 4
         private_redis.kill()
-        with pytest.raises(Exception):
+        with pytest.raises(IndexUnavailable):
             st.write(ns, keys(4, "b"), views(pages(4, MiB, 11)), False)
         private_redis.start()  # empty: the store attaches anew
         deadline = time.monotonic() + 10

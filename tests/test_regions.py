@@ -7,7 +7,8 @@ import logging
 import random
 import threading
 import time
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import pytest
 from conftest import page_files_bytes
@@ -39,16 +40,23 @@ def readable(be: TierStoreBackend, pool: Any, tag: str, first: int, count: int) 
     return ok == [True] * count and all(page_bytes(pool, 24 + j) == page_bytes(pool, (first + j) % 24) for j in range(count))
 
 
+@contextmanager
+def two_models(cfg: dict[str, Any], seed: int) -> Iterator[tuple[TierStoreBackend, Any, TierStoreBackend, Any]]:
+    """Backends of two models with different page sizes on one store: (a, its pool, b, its pool)."""
+    a_pool, b_pool = mha_pool("page_first_direct", **A_POOL), mha_pool("page_first_direct", **B_POOL)
+    fill(a_pool, seed)
+    fill(b_pool, seed + 1)
+    with TierStoreBackend(storage_config(cfg, model="a"), {}) as a, TierStoreBackend(storage_config(cfg, model="b"), {}) as b:
+        a.register_mem_pool_host(a_pool)
+        b.register_mem_pool_host(b_pool)
+        yield a, a_pool, b, b_pool
+
+
 def test_a_page_size_that_comes_after_the_store_filled_gets_its_share(extra: dict[str, Any]) -> None:
     """Model A fills the store twice over; then model B (another page size) writes half of
     it: B's batches are all stored and readable, and A keeps its newest pages."""
     cfg = {**extra, "capacity_gb": 4 * MiB / GiB}
-    a_pool, b_pool = mha_pool("page_first_direct", **A_POOL), mha_pool("page_first_direct", **B_POOL)
-    fill(a_pool, 1)
-    fill(b_pool, 2)
-    with TierStoreBackend(storage_config(cfg, model="a"), {}) as a, TierStoreBackend(storage_config(cfg, model="b"), {}) as b:
-        a.register_mem_pool_host(a_pool)
-        b.register_mem_pool_host(b_pool)
+    with two_models(cfg, 1) as (a, a_pool, b, b_pool):
         assert all(all(r) for r in write_batches(a, "a", 128, 16))  # 8 MiB of 64 KiB pages
         assert all(all(r) for r in write_batches(b, "b", 80, 16))  # 2 MiB of 24 KiB pages
         assert readable(b, b_pool, "b", 64, 16)
@@ -62,12 +70,7 @@ def test_a_page_size_that_comes_after_the_store_filled_gets_its_share(extra: dic
 
 def test_two_models_alternating_past_capacity_share_it_by_use(extra: dict[str, Any]) -> None:
     cfg = {**extra, "capacity_gb": 4 * MiB / GiB}
-    a_pool, b_pool = mha_pool("page_first_direct", **A_POOL), mha_pool("page_first_direct", **B_POOL)
-    fill(a_pool, 3)
-    fill(b_pool, 4)
-    with TierStoreBackend(storage_config(cfg, model="a"), {}) as a, TierStoreBackend(storage_config(cfg, model="b"), {}) as b:
-        a.register_mem_pool_host(a_pool)
-        b.register_mem_pool_host(b_pool)
+    with two_models(cfg, 3) as (a, a_pool, b, b_pool):
         a_pb, b_pb = a._pool("kv").ns.page_bytes, b._pool("kv").ns.page_bytes
         for rnd in range(4):  # 4 rounds of 1 MiB each: 2x capacity in all
             assert all(all(r) for r in write_batches(a, f"a{rnd}", 16, 8))
