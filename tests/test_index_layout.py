@@ -5,7 +5,6 @@ check() streams the store in bounded calls and leaves live traffic alone."""
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import threading
@@ -155,34 +154,40 @@ def test_every_script_declares_every_key_it_touches(tmp_path: Path, private_redi
 def cluster_node(tmp_path: Path) -> Iterator[int]:
     """A redis-server in cluster mode owning every hash slot: scripts touching keys of two
     slots fail there with CROSSSLOT, as on a real cluster."""
-    assert REDIS_SERVER is not None
-    port = free_port()
-    d = tmp_path / "cluster"
-    d.mkdir()
-    proc = subprocess.Popen([REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(d), "--save", "",
-                             "--appendonly", "no", "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        import redis
+    import redis
 
-        r = redis.Redis(port=port)
+    assert REDIS_SERVER is not None
+    for attempt in range(3):  # a port can be taken between free_port() and the bind
+        port = free_port()
+        d = tmp_path / f"cluster{attempt}"
+        d.mkdir()
+        log = d / "redis.log"
+        proc = subprocess.Popen([REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(d), "--save", "",
+                                 "--appendonly", "no", "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                                 "--logfile", str(log)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        r = redis.Redis(host="127.0.0.1", port=port)
         deadline = time.monotonic() + 30
-        while True:
+        while proc.poll() is None and time.monotonic() < deadline:
             try:
                 r.ping()
                 break
             except redis.RedisError:
-                assert time.monotonic() < deadline, "cluster node did not start"
                 time.sleep(0.05)
-        r.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
-        while b"cluster_state:ok" not in r.execute_command("CLUSTER", "INFO"):
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        yield port
-    finally:
-        proc.kill()
-        proc.wait()
-        shutil.rmtree(d, ignore_errors=True)
+        else:
+            proc.kill()
+            proc.wait()
+            continue
+        try:
+            r.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+            while b"cluster_state:ok" not in r.execute_command("CLUSTER", "INFO"):
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.05)
+            yield port
+            return
+        finally:
+            proc.kill()
+            proc.wait()
+    raise AssertionError(f"no cluster node started; last log:\n{log.read_text() if log.exists() else '(none)'}")
 
 
 def test_the_engine_runs_on_a_redis_cluster_node(tmp_path: Path, cluster_node: int) -> None:
