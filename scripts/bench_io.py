@@ -19,6 +19,9 @@ Everything runs on the same directory, one page size at a time, batches of 128 p
   ts_steady    ts_v1 in steady state: the store holds 4 batches of this size and of a second
                page size (half as large), written in turn, so every round evicts regions of
                both sizes (inline or by housekeeping running alongside); nothing is cleared
+  ts_cycle     control for ts_steady: a store of the same capacity, one page size, that drops
+               the batch written 5 rounds before, so it writes across as much of the disk as
+               ts_steady does without ever evicting (ts_steady / ts_cycle: what eviction costs)
 
 Reads are "cold" after fdatasync and POSIX_FADV_DONTNEED on every file written (the page
 cache dropped for them; the disk rounds too, though O_DIRECT bypasses it, so every system's
@@ -311,6 +314,41 @@ def steady_rounds(path: str, redis_url: str, pool: Any, other: Any, threads: int
         shutil.rmtree(d, ignore_errors=True)
 
 
+def cycle_rounds(path: str, redis_url: str, pool: Any, other: Any, threads: int) -> Iterator[Round]:
+    """ts_steady's footprint without eviction: the steady store's capacity (4 batches of
+    both page sizes), this page size only, and the batch written 5 rounds ago dropped."""
+    d = os.path.join(path, "cycle-" + uuid.uuid4().hex[:6])
+    cap = 4 * BATCH * (page_bytes(pool) + page_bytes(other)) / (1 << 30)
+    be = backend(d, redis_url, threads, capacity_gb=cap)
+    be.register_mem_pool_host(pool)
+    ns = be._pool("kv").ns
+    src, dst = page_indices(range(BATCH), pool.page_size), page_indices(range(BATCH, 2 * BATCH), pool.page_size)
+    written: list[list[str]] = []
+
+    def next_batch() -> list[str]:
+        written.append([sgl_key() for _ in range(BATCH)])
+        if len(written) > 5:
+            be.store.delete(ns, written.pop(0))
+        return written[-1]
+
+    try:
+        for _ in range(6):  # every region written once
+            assert all(be.batch_set_v1(next_batch(), src))
+        while True:
+            keys = next_batch()
+            out: list[Any] = []
+            w = timed(lambda: out.append(be.batch_set_v1(keys, src)))
+            drop_cache(d)
+            cold = timed(lambda: out.append(be.batch_get_v1(keys, dst)))
+            warm = timed(lambda: out.append(be.batch_get_v1(keys, dst)))
+            assert all(all(x) for x in out), "a tierstore call failed during the benchmark"
+            assert be.store.stats().get("evicted", 0) == 0, "the control evicted"
+            yield w, cold, warm
+    finally:
+        be.close()
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def rates(nbytes: int, rounds: list[Round]) -> dict[str, Any]:
     gb = nbytes * BATCH / 1e9
     out = {}
@@ -476,6 +514,7 @@ def main() -> int:
                 "ts_v1_nocks": tierstore_rounds(work, url, mha, a.threads, False, False, {}, checksum=False),
                 "ts_v1_nocoal": tierstore_rounds(work, url, mha, a.threads, False, False, {}, coalesce=False),
                 "ts_steady": steady_rounds(work, url, mha, half, a.threads, info["ts_steady"]),
+                "ts_cycle": cycle_rounds(work, url, mha, half, a.threads),
             }, a.repeat, rng)
             row: dict[str, Any] = {"page_bytes": page_bytes(mha)}
             for name, rounds in samples.items():
@@ -504,7 +543,7 @@ def med(d: dict[str, Any], key: str) -> float:
 def print_row(spec: str, row: dict[str, Any]) -> None:
     disk_r, disk_w, hf = med(row["disk"], "read_cold_gbps"), med(row["disk"], "write_gbps"), row["hicache"]
     print(f"\n{spec} pages ({row['page_bytes']} B; MLA {row['ts_mla']['page_bytes']} B), batch {BATCH}: GB/s median [p90 p99]")
-    for name in ("disk", "hicache", "ts_v1", "ts_v2", "ts_mla", "ts_v1_nocks", "ts_v1_nocoal", "ts_steady"):
+    for name in ("disk", "hicache", "ts_v1", "ts_v2", "ts_mla", "ts_v1_nocks", "ts_v1_nocoal", "ts_steady", "ts_cycle"):
         r = row[name]
         line = "  ".join(f"{k[:-5]:>10} {med(r, k):6.2f} [{r[k]['p90']:.2f} {r[k]['p99']:.2f}]" for k in ("write_gbps", "read_cold_gbps", "read_warm_gbps"))
         print(f"  {name:<12} {line}")
@@ -528,6 +567,9 @@ def print_row(spec: str, row: dict[str, Any]) -> None:
           f" {st['other_page_bytes']} B): ts_steady / ts_v1: write {med(st, 'write_gbps') / med(v1, 'write_gbps'):.2f},"
           f" cold read {med(st, 'read_cold_gbps') / med(v1, 'read_cold_gbps'):.2f}; ts_steady / disk: write"
           f" {med(st, 'write_gbps') / disk_w:.2f}, cold read {med(st, 'read_cold_gbps') / disk_r:.2f}")
+    cy = row["ts_cycle"]
+    print(f"  what eviction costs, ts_steady / ts_cycle (the same footprint, never evicting): write"
+          f" {med(st, 'write_gbps') / med(cy, 'write_gbps'):.2f}, cold read {med(st, 'read_cold_gbps') / med(cy, 'read_cold_gbps'):.2f}")
 
 
 def print_probe(p: dict[str, Any]) -> None:

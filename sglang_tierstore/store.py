@@ -618,6 +618,17 @@ class TierStore:
                         break
         return n
 
+    def delete(self, ns: Namespace, keys: Sequence[str]) -> int:
+        """Drop these pages (their slots are dead until their region is reclaimed);
+        returns how many were stored."""
+        a = self.attached()
+        fields = entry_fields(ns.ns_id, keys)
+        shards = a.att.geometry.shards
+        parts: dict[int, list[tuple[bytes, bytes]]] = {}
+        for f in fields:
+            parts.setdefault(shard_of(f, shards), []).append((f, b""))
+        return sum(a.alloc.drop(s, part) for s, part in parts.items())
+
     def where(self, ns: Namespace, key: str) -> Optional[tuple[str, int, int]]:
         """(page file, byte offset, region) of a committed page, or None."""
         a = self.attached()

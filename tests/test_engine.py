@@ -80,6 +80,22 @@ def test_existing_key_keeps_its_first_bytes(cfg: dict[str, Any]) -> None:
         st.close()
 
 
+def test_delete_drops_only_those_pages(cfg: dict[str, Any]) -> None:
+    st = engine(cfg)
+    try:
+        ns = st.namespace({}, 4096)
+        ks = keys(6)
+        src = pages(6, 4096, 30)
+        assert st.write(ns, ks, views(src), False) == [True] * 6
+        assert st.delete(ns, ks[1:3] + keys(1, "absent")) == 2
+        assert st.exists([(ns, ks)]) == [[True, False, False, True, True, True]]
+        ok, got = read(st, ns, ks[3:])
+        assert ok == [True] * 3 and got == src[3:]
+        assert st.check() == []
+    finally:
+        st.close()
+
+
 def test_bad_buffers_are_clear_errors_and_lose_nothing(cfg: dict[str, Any]) -> None:
     st = engine(cfg)
     try:
