@@ -427,12 +427,14 @@ local function take_run(ranges, r, start, n)
   end
   return got
 end
--- slots a writer no longer holds: dead, or back to the region if they were its last
-local function give_back(r, start, count)
+-- slots a writer no longer holds: dead, or (given back by the writer itself, which will
+-- not write them) back to the region if they were its last. An expired lease's slots stay
+-- dead: its writer may only be stalled, and must not find them holding another's page.
+local function give_back(r, start, count, by_writer)
   local g = region(r)
   if not g or (g.state ~= USED and g.state ~= DRAINING) then return end
   g.leased = g.leased - count
-  if start + count == g.fill then g.fill = start end
+  if by_writer and start + count == g.fill then g.fill = start end
   touch(r)
   settle(r, g)
 end
@@ -576,13 +578,13 @@ for r, list in pairs(members) do
 end
 for r, g in pairs(changed) do settle(r, g) end
 if ARGV[6] == '1' then  -- the writer is done: all its slots
-  for _, x in ipairs(ranges) do if x[3] > 0 then give_back(x[1], x[2], x[3]) end end
+  for _, x in ipairs(ranges) do if x[3] > 0 then give_back(x[1], x[2], x[3], true) end end
   ranges = {}
 elseif ARGV[6] == '2' then  -- an idle writer: its slots in draining regions
   local kept = {}
   for _, x in ipairs(ranges) do
     local g = region(x[1])
-    if x[3] > 0 and g and g.state == DRAINING then give_back(x[1], x[2], x[3]) else kept[#kept + 1] = x end
+    if x[3] > 0 and g and g.state == DRAINING then give_back(x[1], x[2], x[3], true) else kept[#kept + 1] = x end
   end
   ranges = kept
 end
@@ -641,19 +643,22 @@ return n
     # Expires leases, shrinks to capacity (free regions first, then the coldest; a region
     # with leased slots drains), keeps free regions ahead of need once the shard cannot grow.
     # returns {leases expired, slots given back, regions evicted, pages evicted, regions
-    #          draining, n, holes to punch (in our directories)...}
+    #          draining, n, holes to punch (in our directories)..., then our lease ids that
+    #          are gone}
     SWEEP = _script(r"""
 if not attach() then return redis.error_reply('TSSTALE') end
 local now, deadline, maxw, cutoff = tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[6]), tonumber(ARGV[7])
 local keep = math.floor(tonumber(ARGV[5]) * conf.cap)
 set_reach(ARGV[4])
+local missing = {}  -- our leases that are gone (expired): their writers must not trust their stock
 for i = 9, 8 + tonumber(ARGV[8]) do
-  if redis.call('HEXISTS', K_LEASES, ARGV[i]) == 1 then redis.call('ZADD', K_DEADLINES, deadline, ARGV[i]) end
+  if redis.call('HEXISTS', K_LEASES, ARGV[i]) == 1 then redis.call('ZADD', K_DEADLINES, deadline, ARGV[i])
+  else missing[#missing + 1] = ARGV[i] end
 end
 local expired, slots = 0, 0
 for _, lease in ipairs(redis.call('ZRANGEBYSCORE', K_DEADLINES, '-inf', now, 'LIMIT', 0, maxw)) do
   for _, x in ipairs(parse_ranges(redis.call('HGET', K_LEASES, lease))) do
-    if x[3] > 0 then give_back(x[1], x[2], x[3]); slots = slots + x[3] end
+    if x[3] > 0 then give_back(x[1], x[2], x[3], false); slots = slots + x[3] end
   end
   redis.call('HDEL', K_LEASES, lease); redis.call('ZREM', K_DEADLINES, lease)
   expired = expired + 1
@@ -705,6 +710,7 @@ end
 flush(); save_conf()
 local out = {expired, slots, evicted, pages_dropped, redis.call('ZCARD', K_DRAIN), #punch}
 for _, r in ipairs(punch) do out[#out + 1] = r end
+for _, lease in ipairs(missing) do out[#out + 1] = lease end
 return out
 """)
 
@@ -913,7 +919,7 @@ class _Stock:
     for a whole write (slots taken, written, committed), so housekeeping can tell an idle
     writer from a busy one."""
 
-    __slots__ = ("lease", "thread", "lock", "ranges", "epoch")
+    __slots__ = ("lease", "thread", "lock", "ranges", "epoch", "renewed")
 
     def __init__(self, lease: str, epoch: int) -> None:
         self.lease = lease
@@ -921,6 +927,7 @@ class _Stock:
         self.lock = threading.RLock()
         self.ranges: dict[int, list[Range]] = {}
         self.epoch = epoch
+        self.renewed: dict[int, float] = {}  # shard -> when its lease was last renewed
 
 
 class Allocator:
@@ -964,7 +971,13 @@ class Allocator:
         return self._mine().lock
 
     def _stock(self, shard: int) -> list[Range]:
-        return self._mine().ranges.setdefault(shard, [])
+        """This thread's slots in a shard, if its lease there was renewed within half its
+        term (housekeeping renews it every pass): a writer that stalled longer may have
+        lost the lease, and its slots with it, so it starts over from a COMMIT."""
+        mine = self._mine()
+        if self.clock() - mine.renewed.get(shard, -1e18) > self.lease_s / 2:
+            mine.ranges[shard] = []
+        return mine.ranges.setdefault(shard, [])
 
     def invalidate_stocks(self) -> None:
         """Every thread drops its stock before its next batch (slots may have been taken
@@ -1008,11 +1021,13 @@ class Allocator:
         """
         mine = self._mine()
         with mine.lock:
+            sent = self.clock()
             outs = self.index.scripts([("COMMIT", self._keys[s], self._commit_args(mine.lease, c, gu, rf, 0))
                                        for s, c, gu, rf in calls])
             results = [_commit_result(o) for o in outs]
             for (s, _, _, _), res in zip(calls, results):
                 mine.ranges[s] = res.stock
+                mine.renewed[s] = sent
                 self.capacity_regions[s] = res.capacity_regions
         return results
 
@@ -1123,11 +1138,21 @@ class Allocator:
         report with :meth:`punched`)."""
         now = self.clock()
         with self._lock:
-            leases = list(self._stocks)
+            stocks = list(self._stocks.values())
         args: list[Any] = [self.geometry.store_id, repr(now), repr(now + self.lease_s), self.dirs, repr(free_target), max_work,
-                           repr(now - self.lease_s), len(leases), *leases]
-        out = [int(x) for x in self.index.script("SWEEP", self._keys[shard], args)]
-        return out[0], out[1], out[2], out[3], out[4], out[6 : 6 + out[5]]
+                           repr(now - self.lease_s), len(stocks), *(st.lease for st in stocks)]
+        raw = self.index.script("SWEEP", self._keys[shard], args)
+        out = [int(x) for x in raw[:6]]
+        punch = [int(x) for x in raw[6 : 6 + out[5]]]
+        gone = {_text(x) for x in raw[6 + out[5] :]}
+        for st in stocks:
+            if st.lease in gone:
+                with st.lock:  # expired meanwhile: its slots may be someone else's by now
+                    st.ranges[shard] = []
+                    st.renewed.pop(shard, None)
+            else:
+                st.renewed[shard] = now
+        return out[0], out[1], out[2], out[3], out[4], punch
 
     def punched(self, shard: int, regions: Sequence[int]) -> int:
         """These holes' space is punched out: they may be allocated again."""

@@ -189,7 +189,7 @@ def _machine_env(tmp_path: Path, redis_proc: RedisProc) -> None:
     TMP, REDIS = str(tmp_path), redis_proc
 
 
-MACHINE_SETTINGS = settings(max_examples=int(os.environ.get("TS_MACHINE_EXAMPLES", "25")), stateful_step_count=40, deadline=None,
+MACHINE_SETTINGS = settings(max_examples=int(os.environ.get("TS_MACHINE_EXAMPLES", "50")), stateful_step_count=40, deadline=None,
                             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 

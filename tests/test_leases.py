@@ -221,3 +221,30 @@ def test_stock_ranges_survive_an_index_hiccup_after_io(cfg: dict[str, Any], priv
         assert st.check() == []
     finally:
         st.close()
+
+
+def test_a_stalled_writer_never_clobbers_slots_its_expired_lease_held(cfg: dict[str, Any]) -> None:
+    """A process neither writes nor runs housekeeping for longer than lease_s (stalled);
+    another expires its lease and writes. When the stalled one writes again, its old stock
+    is not trusted: every page of both reads back, and check() finds every slot right."""
+    later = [0.0]
+    clock = lambda: time.time() + later[0]  # noqa: E731
+    a, b = engine(cfg, lease_s=10, clock=clock), engine(cfg, lease_s=10, clock=clock)
+    try:
+        ns_a, ns_b = a.namespace({"m": 1}, 12288), b.namespace({"m": 1}, 12288)
+        assert a.write(ns_a, keys(4, "a"), views(pages(4, 12288, 20)), False) == [True] * 4
+        assert a.attached().alloc.stocked(0, 12288) > 0
+        later[0] += 12  # a stalls past its lease; b's housekeeping expires it
+        housekeep(b)
+        src_b = pages(8, 12288, 21)
+        assert b.write(ns_b, keys(8, "b"), views(src_b), False) == [True] * 8
+        src_a = pages(4, 12288, 22)
+        assert a.write(ns_a, keys(4, "a2"), views(src_a), False) == [True] * 4
+        ok, got = read(b, ns_b, keys(8, "b"))
+        assert ok == [True] * 8 and got == src_b
+        ok, got = read(a, ns_a, keys(4, "a2"))
+        assert ok == [True] * 4 and got == src_a
+        assert a.check() == []
+    finally:
+        a.close()
+        b.close()
