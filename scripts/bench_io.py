@@ -393,7 +393,7 @@ def bench_probe(path: str, redis_url: str, repeat: int) -> dict[str, Any]:
         a = be.store.attached()
         ns = be._pool("kv").ns
         fields = [entry_field(ns.ns_id, k) for k in keys]
-        entries = a.alloc.keys(0)[1]
+        entries = a.alloc.key(0, "entries")
         names = [f"{{{a.att.tag}:0}}:".encode() + f for f in fields]  # string keys as long as a shard key + field
         values = r.hmget(entries, fields)
         r.mset(dict(zip(names, values)))

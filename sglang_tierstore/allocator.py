@@ -142,14 +142,13 @@ class CommitResult(NamedTuple):
     stock: list[Range]  # the lease's slots after this call
     fresh: list[int]  # regions just allocated: the caller gives them disk space
     need_file: bool  # no region without a new page file
-    full: bool  # nothing could be reclaimed (every region pinned by leases)
     too_big: bool  # a page size that does not fit a region
     evicted: int
     pages_evicted: int
     capacity_regions: int  # the shard's capacity as the index has it now
 
 
-STORED, EXISTS, LOST = 1, 2, 0
+STORED, EXISTS = 1, 2  # COMMIT statuses; 0: not stored
 
 _COMMON = r"""
 local conf = {}
@@ -351,7 +350,7 @@ local function coldest(need_usable)
 end
 
 local flags, evicted, fresh = 0, 0, {}
-local NEED_FILE, FULL, TOO_BIG = 1, 2, 4
+local NEED_FILE, TOO_BIG = 1, 4
 local function take(zkey)
   for _, rs in ipairs(redis.call('ZRANGE', zkey, 0, SCAN - 1)) do
     local r = tonumber(rs)
@@ -382,23 +381,16 @@ local function fresh_region(may_evict)
     drain_region(c, region(c), tonumber(ARGV[3]))
     evicted = evicted + 1
   end
-  flags = bit.bor(flags, FULL)
   return nil
 end
 
--- take one slot out of a lease; false if the lease does not hold it. A batch takes
--- consecutive slots, so the range that served the last one is tried first.
-local hint = 1
+-- take one slot out of a lease; false if the lease does not hold it
 local function take_slot(ranges, r, slot)
-  local n = #ranges
-  for k = 0, n - 1 do
-    local i = (hint + k - 1) % n + 1
-    local x = ranges[i]
+  for i, x in ipairs(ranges) do
     if x[1] == r and slot >= x[2] and slot < x[2] + x[3] then
       if slot == x[2] then x[2] = x[2] + 1; x[3] = x[3] - 1
       elseif slot == x[2] + x[3] - 1 then x[3] = x[3] - 1
       else table.insert(ranges, i + 1, {r, slot + 1, x[2] + x[3] - slot - 1}); x[3] = slot - x[2] end
-      hint = i
       return true
     end
   end
@@ -417,7 +409,8 @@ local function take_span(ranges, r, start, n)
   end
   return false
 end
--- take a run of slots: true for each slot the lease held (now taken)
+-- take a run of slots (usually one range holds it whole): true for each slot the lease
+-- held (now taken)
 local function take_run(ranges, r, start, n)
   local got = {}
   if take_span(ranges, r, start, n) then
@@ -948,7 +941,7 @@ class Allocator:
         self._next = 0
         self._lock = threading.Lock()
         self._epoch = 0  # bumped when slots of some stock may have been taken away (a file lost)
-        self.capacity_regions = [geometry.capacity_share(0, s) for s in range(geometry.shards)]  # as COMMIT reports
+        self.capacity_regions = [0] * geometry.shards  # per shard, as the last COMMIT reported (0: none yet)
 
     # -- leases and stocks -----------------------------------------------------------
 
@@ -1123,7 +1116,7 @@ class Allocator:
 
     def files(self, shard: int) -> dict[int, tuple[str, str, str]]:
         """File records: number -> (directory id, uid, state)."""
-        raw = self.index.hgetall(self._keys[shard][SHARD_KEYS.index("files")])
+        raw = self.index.hgetall(self.key(shard, "files"))
         out = {}
         for k, v in raw.items():
             d, uid, st, _ = _text(v).split("|", 3)
@@ -1167,7 +1160,12 @@ class Allocator:
         return dict(zip(names, (int(x) for x in out)))
 
     def keys(self, shard: int) -> list[str]:
+        """Every key of a shard, in the order its scripts take them."""
         return self._keys[shard]
+
+    def key(self, shard: int, name: str) -> str:
+        """One key of a shard by its name in ``schema.SHARD_KEYS``."""
+        return self._keys[shard][SHARD_KEYS.index(name)]
 
 
 def _runs(slots: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -1189,7 +1187,7 @@ def _commit_result(out: Sequence[Any]) -> CommitResult:
     fresh = [int(x) for x in out[k + 1 : k + 1 + nfresh]]
     rest = [int(x) for x in out[k + 1 + nfresh :]]
     stock = [Range(*rest[j : j + 4]) for j in range(0, len(rest), 4)]
-    return CommitResult(status, stock, fresh, bool(flags & 1), bool(flags & 2), bool(flags & 4), evicted, pages, cap)
+    return CommitResult(status, stock, fresh, bool(flags & 1), bool(flags & 4), evicted, pages, cap)
 
 
 def _text(v: Any) -> str:

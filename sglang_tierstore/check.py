@@ -41,7 +41,6 @@ from sglang_tierstore.schema import (
     FREE,
     HOLE,
     REGION,
-    SHARD_KEYS,
     USED,
     unpack_entry,
     unpack_region,
@@ -108,7 +107,7 @@ def _regions(store: "TierStore", a: "_Attached", shard: int, chunk: int, fix: bo
     out: list[str] = []
     dangling: list[tuple[int, int, bytes]] = []
     per_call = max(1, chunk * 16 // max(1, g.region_bytes // ALIGN))  # at most chunk * 16 slots per call
-    for got in _scan(store, keys[SHARD_KEYS.index("regions")], per_call):
+    for got in _scan(store, a.alloc.key(shard, "regions"), per_call):
         ids = sorted(int(r) for r in got)
         snap = store.index.script("SNAPSHOT_REGIONS", keys, [g.store_id, *ids])
         pos = 0
@@ -197,7 +196,7 @@ def _entries(store: "TierStore", a: "_Attached", shard: int, chunk: int, ns_page
     g = a.att.geometry
     keys = a.alloc.keys(shard)
     out: list[str] = []
-    for got in _scan(store, keys[SHARD_KEYS.index("entries")], chunk):
+    for got in _scan(store, a.alloc.key(shard, "entries"), chunk):
         fields = list(got)
         snap = store.index.script("SNAPSHOT_ENTRIES", keys, [g.store_id, *fields])
         bad: list[tuple[bytes, bytes]] = []

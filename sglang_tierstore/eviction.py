@@ -6,20 +6,17 @@ forget page files found gone, expire dead writers' leases, shrink to capacity
 (punching the space out of the files) and keep ``free_target`` of the regions free
 once the store is full. Every ``audit_s`` (first in its pass): check every page file
 against its path, remove files the index does not know, report our directories and
-forget those no process has reported for ``10 * lease_s``. Eviction moves index entries and never
-waits on a file, so no single bad file can wedge it.
+forget those no process has reported for ``10 * lease_s``. Eviction moves index
+entries and never waits on a file, so no single bad file can wedge it.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 from typing import Callable, Optional
 
 from sglang_tierstore.errors import IndexUnavailable, StoreDetached, TierStoreError
 from sglang_tierstore.store import TierStore
-
-logger = logging.getLogger(__name__)
 
 MAX_WORK = 256  # regions or leases handled per shard and script call: bounds each call
 

@@ -47,7 +47,7 @@ from sglang_tierstore.allocator import (
 )
 from sglang_tierstore.errors import ConfigError
 from sglang_tierstore.index import RedisIndex
-from sglang_tierstore.schema import FORMAT, meta_key, shard_keys, store_tag
+from sglang_tierstore.schema import FORMAT, glob_escape, meta_key, shard_keys, store_tag
 
 logger = logging.getLogger(__name__)
 
@@ -121,13 +121,9 @@ def store_keys(tag: str, shards: int) -> list[str]:
     return keys
 
 
-def _glob_escape(s: str) -> str:
-    return re.sub(r"([\\*?\[\]])", r"\\\1", s)
-
-
 def drop_legacy(index: RedisIndex, prefix: str, paths: Sequence[str]) -> bool:
     """Drop a store of the layout before regions (its keys and slot files)."""
-    p = _glob_escape(prefix)
+    p = glob_escape(prefix.encode()).decode()
     old_dirs = [os.path.join(path, n) for path in paths if os.path.isdir(path) for n in os.listdir(path)
                 if _LEGACY_DIR.match(n) and os.path.isdir(os.path.join(path, n))]
     marker_keys = [f"{prefix}:bytes", f"{prefix}:gen"]

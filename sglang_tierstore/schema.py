@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import binascii
 import hashlib
+import re
 import struct
 from typing import NamedTuple, Sequence
 
@@ -125,6 +126,11 @@ def shard_of(field: bytes, shards: int) -> int:
     """A page's shard: a hash of its entry field. A batch is split by shard and each
     part is one script call (with one shard, the default, a batch is one call)."""
     return 0 if shards == 1 else xxhash.xxh3_64_intdigest(field) % shards
+
+
+def glob_escape(raw: bytes) -> bytes:
+    """A literal for Redis SCAN/HSCAN MATCH patterns."""
+    return re.sub(rb"([\\*?\[\]])", rb"\\\1", raw)
 
 
 def store_tag(prefix: str, store_id: str) -> str:

@@ -25,12 +25,11 @@ failed write, counted and logged here.
 from __future__ import annotations
 
 import logging
-import re
 import secrets
 import threading
 import time as mod_time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import xxhash
 
@@ -45,10 +44,11 @@ from sglang_tierstore.metrics import Metrics, RateLimitedLog
 from sglang_tierstore.pagefile import FileRecord, PageFiles, checksum
 from sglang_tierstore.schema import (
     ENTRY,
-    SHARD_KEYS,
     USED,
+    Entry,
     entry_field,
     entry_fields,
+    glob_escape,
     meta_key,
     round_up,
     shard_of,
@@ -60,7 +60,7 @@ logger = logging.getLogger(__name__)
 
 Regions = Sequence[memoryview]
 IOV_MAX = 1024  # iovecs in one preadv/pwritev
-MAX_RUN_BYTES = 1 << 20  # one coalesced I/O at most (larger ones were slower here: scripts/results/bench_io.txt)
+MAX_RUN_BYTES = 1 << 20  # one coalesced I/O at most (larger ones were slower on this VM: README, Performance)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,8 +79,12 @@ def fingerprint(fields: Mapping[str, object]) -> tuple[bytes, str]:
     return xxhash.xxh3_64_digest(desc.encode()), desc
 
 
-def _glob_escape(raw: bytes) -> bytes:
-    return re.sub(rb"([\\*?\[\]])", rb"\\\1", raw)
+def _by_shard(fields: Sequence[bytes], shards: int) -> dict[int, list[int]]:
+    """Positions of ``fields`` by the shard each belongs to."""
+    parts: dict[int, list[int]] = {}
+    for i, f in enumerate(fields):
+        parts.setdefault(shard_of(f, shards), []).append(i)
+    return parts
 
 
 @dataclass
@@ -199,13 +203,11 @@ class TierStore:
         """Entry values of fields (any shards), one round trip."""
         shards = a.att.geometry.shards
         if shards == 1:
-            return self.index.hmget([(a.alloc.keys(0)[1], fields)])[0]
-        parts: list[list[int]] = [[] for _ in range(shards)]
-        for i, f in enumerate(fields):
-            parts[shard_of(f, shards)].append(i)
-        got = self.index.hmget([(a.alloc.keys(s)[1], [fields[i] for i in idx]) for s, idx in enumerate(parts)])
+            return self.index.hmget([(a.alloc.key(0, "entries"), fields)])[0]
+        parts = _by_shard(fields, shards)
+        got = self.index.hmget([(a.alloc.key(s, "entries"), [fields[i] for i in idx]) for s, idx in parts.items()])
         out: list[Optional[bytes]] = [None] * len(fields)
-        for idx, vals in zip(parts, got):
+        for idx, vals in zip(parts.values(), got):
             for i, v in zip(idx, vals):
                 out[i] = v
         return out
@@ -253,7 +255,7 @@ class TierStore:
         raws = self._lookup(a, fields)
         lead = next((i for i, v in enumerate(raws) if v is None), len(raws))
         results = [False] * len(keys)
-        entries: dict[int, Any] = {}
+        entries: dict[int, Entry] = {}
         bad: list[tuple[bytes, bytes]] = []
         pages: list[_Page] = []
         per_region = slots_per_region(g.region_bytes, ns.page_bytes)
@@ -329,13 +331,15 @@ class TierStore:
             with self._lock:
                 self._lost[file_no] = rec.uid
 
+    def _drop_now(self, a: _Attached, entries: Sequence[tuple[bytes, bytes]]) -> int:
+        """Drop (entry field, value seen or b'') pairs, one DROP call per shard."""
+        parts = _by_shard([f for f, _ in entries], a.att.geometry.shards)
+        return sum(a.alloc.drop(s, [entries[i] for i in idx]) for s, idx in parts.items())
+
     def _drop(self, a: _Attached, entries: Sequence[tuple[bytes, bytes]]) -> int:
-        shards = a.att.geometry.shards
-        parts: dict[int, list[tuple[bytes, bytes]]] = {}
-        for f, v in entries:
-            parts.setdefault(shard_of(f, shards), []).append((f, v))
+        """Drop pages a read found bad; index trouble only postpones it."""
         try:
-            return sum(a.alloc.drop(s, part) for s, part in parts.items())
+            return self._drop_now(a, entries)
         except StoreDetached as e:
             self.detach(e, a)
         except IndexUnavailable as e:  # the pages were misses all the same; the next read drops them
@@ -372,9 +376,7 @@ class TierStore:
         g, alloc = a.att.geometry, a.alloc
         pb = ns.page_bytes
         fields = entry_fields(ns.ns_id, keys)
-        parts: dict[int, list[int]] = {}
-        for i, f in enumerate(fields):
-            parts.setdefault(shard_of(f, g.shards), []).append(i)
+        parts = _by_shard(fields, g.shards)
         self._fill_stock(a, pb, {s: len(idx) for s, idx in parts.items()})
         slots: dict[int, tuple[int, int]] = {}
         for s, idx in parts.items():
@@ -495,7 +497,7 @@ class TierStore:
         with self._lock:
             pending, self._touch = self._touch, {}
         for shard, regions in pending.items():
-            self.index.zadd_newer(a.alloc.keys(shard)[SHARD_KEYS.index("lru")], regions)
+            self.index.zadd_newer(a.alloc.key(shard, "lru"), regions)
 
     def sweep(self, max_work: int) -> int:
         """One housekeeping pass of the allocator over every shard: expired leases,
@@ -607,9 +609,9 @@ class TierStore:
         a = self.attached()
         n = 0
         for ns_id in {x.ns_id for x in namespaces}:
-            pattern = _glob_escape(ns_id) + b"*"
+            pattern = glob_escape(ns_id) + b"*"
             for s in range(a.att.geometry.shards):
-                key = a.alloc.keys(s)[SHARD_KEYS.index("entries")]
+                key = a.alloc.key(s, "entries")
                 cursor = 0
                 while True:
                     cursor, chunk = self.index.hscan(key, cursor, 1000, match=pattern)
@@ -621,13 +623,7 @@ class TierStore:
     def delete(self, ns: Namespace, keys: Sequence[str]) -> int:
         """Drop these pages (their slots are dead until their region is reclaimed);
         returns how many were stored."""
-        a = self.attached()
-        fields = entry_fields(ns.ns_id, keys)
-        shards = a.att.geometry.shards
-        parts: dict[int, list[tuple[bytes, bytes]]] = {}
-        for f in fields:
-            parts.setdefault(shard_of(f, shards), []).append((f, b""))
-        return sum(a.alloc.drop(s, part) for s, part in parts.items())
+        return self._drop_now(self.attached(), [(f, b"") for f in entry_fields(ns.ns_id, keys)])
 
     def where(self, ns: Namespace, key: str) -> Optional[tuple[str, int, int]]:
         """(page file, byte offset, region) of a committed page, or None."""
@@ -652,7 +648,7 @@ class TierStore:
         total["region_bytes"] = a.att.geometry.region_bytes
         total["allocated_bytes"] = total["allocated_regions"] * a.att.geometry.region_bytes
         total["capacity_bytes"] = total["capacity_regions"] * a.att.geometry.region_bytes
-        total["pages"] = sum(self.index.hlen(a.alloc.keys(s)[1]) for s in range(a.att.geometry.shards))
+        total["pages"] = sum(self.index.hlen(a.alloc.key(s, "entries")) for s in range(a.att.geometry.shards))
         return total
 
     def page_sizes(self) -> dict[int, dict[str, int]]:
@@ -661,7 +657,7 @@ class TierStore:
         a = self.attached()
         out: dict[int, dict[str, int]] = {}
         for s in range(a.att.geometry.shards):
-            key, cursor = a.alloc.keys(s)[SHARD_KEYS.index("regions")], 0
+            key, cursor = a.alloc.key(s, "regions"), 0
             while True:
                 cursor, chunk = self.index.hscan(key, cursor, 1000)
                 for raw in chunk.values():

@@ -240,9 +240,7 @@ def test_check_streams_in_bounded_calls_and_leaves_traffic_alone(tmp_path: Path,
     t = threading.Thread(target=traffic)
     t.start()
     try:
-        t0 = time.monotonic()
         problems = st.check(verify_pages=False)
-        took = time.monotonic() - t0
     finally:
         stop.set()
         t.join()
@@ -262,4 +260,3 @@ def test_check_streams_in_bounded_calls_and_leaves_traffic_alone(tmp_path: Path,
                 assert int(args[args.index("COUNT") + 1]) <= 256
     assert calls > n // 256  # streamed: many small calls...
     assert biggest <= 2 * 256 + 15  # ...none over the whole store (HSCAN COUNT is a hint: whole buckets come back)
-    assert took < 60

@@ -95,7 +95,7 @@ def test_flipped_bytes_are_misses_and_drop_the_entry(extra: dict[str, Any]) -> N
 
 def _entries(be: TierStoreBackend) -> tuple[redis.Redis, str]:
     """A plain Redis client and the hash holding the backend's entries (one shard)."""
-    return redis.Redis.from_url(be.cfg.redis_url or ""), be.store.attached().alloc.keys(0)[1]
+    return redis.Redis.from_url(be.cfg.redis_url or ""), be.store.attached().alloc.key(0, "entries")
 
 
 def test_unparsable_index_value_is_a_miss_and_is_dropped(extra: dict[str, Any]) -> None:
