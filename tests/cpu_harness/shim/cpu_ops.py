@@ -7,7 +7,8 @@ Imported by `sitecustomize` (server processes) and by in-process tests
 from __future__ import annotations
 
 import types
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -98,3 +99,48 @@ def unpinned(get_mha_host_pool_cls: Callable[..., Any]) -> Callable[..., Any]:
 
 def patch_assembler(mod: types.ModuleType) -> None:
     mod.get_mha_host_pool_cls = unpinned(mod.get_mha_host_pool_cls)  # type: ignore[attr-defined]
+
+
+# -- 4. extend attention over the new tokens only -----------------------------------
+
+
+def patch_torch_native(mod: types.ModuleType) -> None:
+    """SGLang's CPU fallback attention (`torch_native`) runs an extend as if the whole
+    sequence were new: it attends ``seq_len`` queries and keeps the last ones, so a
+    request whose prefix is cached still pays attention over the full prefix squared.
+    That makes a prefix hit look almost as expensive as a recompute, which GPU backends
+    (and the cost a storage tier saves) are not. This computes only the extend queries,
+    each attending to the keys up to its own position (every key when not causal), and
+    leaves sliding windows and encoder-decoder attention to the original."""
+    cls = mod.TorchNativeAttnBackend
+    original = cls._run_sdpa_forward_extend
+
+    def extend(self: Any, query: torch.Tensor, output: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+               extend_prefix_lens: torch.Tensor, extend_seq_lens: torch.Tensor, encoder_lens: Any = None,
+               scaling: Any = None, enable_gqa: bool = False, causal: bool = False, is_cross_attn: bool = False,
+               sliding_window_size: Any = None) -> torch.Tensor:
+        if encoder_lens is not None or is_cross_attn or (sliding_window_size is not None and sliding_window_size > -1):
+            return original(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                            extend_prefix_lens, extend_seq_lens, encoder_lens, scaling, enable_gqa, causal,
+                            is_cross_attn, sliding_window_size)
+        q_all = query.movedim(0, query.dim() - 2)  # [heads, tokens, dim]
+        start_q = 0
+        for i in range(seq_lens.shape[0]):
+            n_q, prefix, n_kv = int(extend_seq_lens[i]), int(extend_prefix_lens[i]), int(seq_lens[i])
+            q = q_all[:, start_q:start_q + n_q, :]
+            tokens = req_to_token[req_pool_indices[i], :n_kv]
+            k = k_cache[tokens].movedim(0, query.dim() - 2).to(q.dtype)
+            v = v_cache[tokens].movedim(0, query.dim() - 2).to(q.dtype)
+            mask = None
+            if causal and prefix:
+                mask = (torch.arange(n_kv, device=q.device).unsqueeze(0)
+                        <= (prefix + torch.arange(n_q, device=q.device)).unsqueeze(1))
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, enable_gqa=enable_gqa,
+                scale=scaling, is_causal=causal and not prefix)
+            output[start_q:start_q + n_q] = out.squeeze(0).movedim(query.dim() - 2, 0)
+            start_q += n_q
+        return output
+
+    cls._run_sdpa_forward_extend = extend

@@ -1,7 +1,7 @@
 """Test-only: lets `python -m sglang.launch_server --device cpu` run HiCache without a GPU.
 
 Put this directory on PYTHONPATH; Python imports `sitecustomize` at start-up in
-the server and in its scheduler subprocess. Three patches, each for one fact:
+the server and in its scheduler subprocess. Four patches, each for one fact:
 
 1. `sgl_kernel` is CUDA-only, but with SGLANG_USE_CPU_ENGINE=1 SGLang imports its
    `*_cpu` ops at module load. A stand-in module gives every `*_cpu` name; only
@@ -13,6 +13,9 @@ the server and in its scheduler subprocess. Three patches, each for one fact:
 3. The device<->host copies of `--hicache-io-backend direct` come from sgl_kernel:
    `transfer_kv_direct`, `transfer_kv_per_layer_direct_pf_lf` and
    `transfer_kv_all_layer_direct_lf_pf` get torch versions in pool_host/mha.py.
+4. The CPU fallback attention (`torch_native`) attends every token of the sequence
+   on an extend, cached prefix included; it gets an extend over the new tokens only
+   (what GPU backends do), so a prefix hit costs what it costs on real hardware.
 Nothing touches the storage path: tierstore runs as in production.
 """
 
@@ -24,13 +27,14 @@ import sys
 import types
 from typing import Any, Callable, Optional, Sequence
 
-from cpu_ops import StubModule, assign_req_to_token_pool_cpu, patch_assembler, patch_mha
+from cpu_ops import StubModule, assign_req_to_token_pool_cpu, patch_assembler, patch_mha, patch_torch_native
 
 # -- the import hook -----------------------------------------------------------------
 
 _PATCHES: dict[str, Callable[[types.ModuleType], None]] = {
     "sglang.srt.mem_cache.pool_host.mha": patch_mha,
     "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler": patch_assembler,
+    "sglang.srt.layers.attention.torch_native_backend": patch_torch_native,
 }
 
 
