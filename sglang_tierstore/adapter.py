@@ -31,11 +31,12 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from sglang_tierstore.config import TierStoreConfig
+from sglang_tierstore.config import TierStoreConfig, redact_url
 from sglang_tierstore.embedded import ensure_embedded_redis
 from sglang_tierstore.errors import IndexUnavailable, StoreDetached, TierStoreError
 from sglang_tierstore.eviction import Housekeeper
 from sglang_tierstore.hostmem import PagePlan, tensor_bytes
+from sglang_tierstore.private import check_dirs, modes, remove_created
 from sglang_tierstore.store import Namespace, TierStore
 
 logger = logging.getLogger(__name__)
@@ -104,8 +105,14 @@ class TierStoreBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict[str, Any]] = None) -> None:
         self.cfg = TierStoreConfig.from_dict(storage_config.extra_config)
         self.storage_config = storage_config
+        self.modes = modes(self.cfg.file_access)
+        created = check_dirs(self.cfg.path, self.modes)  # before anything starts
         embedded = self.cfg.redis_url is None
-        url = self.cfg.redis_url or ensure_embedded_redis(self.cfg.path[0], self.cfg.redis_server)
+        try:
+            url = self.cfg.redis_url or ensure_embedded_redis(self.cfg.path[0], self.modes, self.cfg.redis_server)
+        except TierStoreError:
+            remove_created(created)  # a failed start leaves nothing behind
+            raise
         self.store = TierStore(self.cfg, url)
         on_down = self._restart_embedded_redis if embedded else None
         self.housekeeper = Housekeeper(self.store, on_index_down=on_down)
@@ -119,12 +126,13 @@ class TierStoreBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
             if storage_config.enable_storage_metrics else None
         )
         self._closed = False
-        logger.info("tierstore: index %s, page files under %s, capacity %.1f GiB", "embedded " + url if embedded else url, ", ".join(self.cfg.path), self.cfg.capacity_gb)
+        logger.info("tierstore: index %s%s, page files under %s, capacity %.1f GiB", "embedded " if embedded else "",
+                    redact_url(url), ", ".join(self.cfg.path), self.cfg.capacity_gb)
 
     def _restart_embedded_redis(self) -> None:
         """Housekeeping found the index down: start the embedded Redis again if it died."""
         try:
-            ensure_embedded_redis(self.cfg.path[0], self.cfg.redis_server)
+            ensure_embedded_redis(self.cfg.path[0], self.modes, self.cfg.redis_server)
         except TierStoreError as e:
             self.store.metrics.error("embedded_redis")
             self.store.log.warning("embedded", "cannot restart the embedded Redis: %s", e)

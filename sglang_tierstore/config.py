@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, Mapping, NamedTuple, Optional
+from urllib.parse import urlsplit, urlunsplit
 
 from sglang_tierstore.errors import ConfigError
 
@@ -79,13 +81,47 @@ def _prefix(v: Any) -> str:
     return s
 
 
+def redact_url(url: str) -> str:
+    """``url`` with its password (in the user part or a ``password=`` query) replaced by
+    ``***``: the only form of a Redis URL that goes into a log line or an error."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable URL>"
+    netloc = parts.netloc
+    if "@" in netloc:
+        cred, host = netloc.rsplit("@", 1)
+        netloc = (cred.split(":", 1)[0] + ":***" if ":" in cred else "***") + "@" + host
+    query = re.sub(r"(?i)(^|&)(password=)[^&]*", r"\1\2***", parts.query)
+    out = urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+    return "unix://" + out[len("unix:"):] if parts.scheme == "unix" and not parts.netloc else out
+
+
 def _redis_url(v: Any) -> Optional[str]:
     if v is None:
         return None
-    s = _str(v)
-    if not s.startswith(("redis://", "rediss://", "unix://")):
-        raise ValueError(f"expected redis://, rediss:// or unix:// URL, got {v!r}")
-    return s
+    if not isinstance(v, str):
+        raise ValueError(f"expected a string, got {type(v).__name__}")
+    shown = redact_url(v)
+    try:
+        parts = urlsplit(v)
+        port = parts.port
+    except ValueError as e:
+        raise ValueError(f"not a valid URL ({e}): {shown}") from None
+    if parts.scheme not in ("redis", "rediss", "unix"):
+        raise ValueError(f"expected a redis://, rediss:// or unix:// URL, got {shown}")
+    if parts.scheme == "unix":
+        if not parts.path:
+            raise ValueError(f"expected unix:///path/to/socket, got {shown}")
+    else:
+        if not parts.hostname:
+            raise ValueError(f"expected a host name, got {shown}")
+        if port == 0:
+            raise ValueError(f"expected a port in 1..65535, got {shown}")
+        db = parts.path.strip("/")
+        if db and not db.isdigit():
+            raise ValueError(f"expected a database number as the path (redis://host:port/0), got {shown}")
+    return v
 
 
 def _paths(v: Any) -> tuple[str, ...]:
@@ -140,6 +176,7 @@ SETTINGS: dict[str, Setting] = {
     "free_target": Setting(0.02, _fraction, "Once the store is full, housekeeping keeps this fraction of its regions free (evicting the least recently used) so writes seldom evict inline."),
     "log_interval_s": Setting(10.0, _positive_number, "At most one log line per kind of failure in this interval."),
     "redis_server": Setting("redis-server", _str, "redis-server binary for the embedded Redis."),
+    "file_access": Setting("private", _choice("private", "group"), "`private`: directories 0700 and files 0600 (page files, markers, the embedded Redis's files), whatever the umask; `group`: 0750 and 0640, for an operator's tools running as another user of the group."),
 }
 
 
@@ -163,6 +200,7 @@ class TierStoreConfig:
     free_target: float = SETTINGS["free_target"].default
     log_interval_s: float = SETTINGS["log_interval_s"].default
     redis_server: str = SETTINGS["redis_server"].default
+    file_access: str = SETTINGS["file_access"].default
 
     @property
     def capacity_bytes(self) -> int:

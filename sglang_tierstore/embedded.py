@@ -5,20 +5,36 @@ redis-server listening on a unix socket, with AOF persistence under
 ``<path>/redis``. Whoever finds it missing starts it (under a file lock, so one
 does); it is daemonized and outlives the process that started it, so restarts and
 other ranks find it, and a backend that sees it gone starts it again.
+
+Whoever answers on that socket decides which slot is served for which key, so the
+server must be ours: its socket lives in a directory only this user can enter (under
+the store directory, or ``/tmp/tierstore-<uid>/`` when that path is too long for a
+socket), the process listening must run as this user (``SO_PEERCRED``), and it
+requires a password kept in a 0600 file beside its AOF. Anything else is an error,
+never a join. Its files (AOF, log, pid, config) are created under a 077 umask.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import shutil
-import socket
 import subprocess
 import time
+from urllib.parse import quote
 
 import xxhash
 
 from sglang_tierstore.errors import EmbeddedRedisError
+from sglang_tierstore.private import (
+    Modes,
+    check_owned_dir,
+    create_file,
+    own_dir,
+    peer_uid,
+    secret,
+)
 
 _SUN_PATH_MAX = 104  # sockaddr_un limit, with some margin
 
@@ -28,35 +44,51 @@ def redis_dir(path: str) -> str:
 
 
 def socket_path(path: str) -> str:
-    """The socket under the store directory, or a per-directory one in /tmp if that is too long."""
+    """The socket under the store directory, or, if that is too long for a socket, one
+    named after the directory in this user's own ``/tmp/tierstore-<uid>``."""
     sock = os.path.join(redis_dir(path), "redis.sock")
     if len(sock) < _SUN_PATH_MAX:
         return sock
-    return f"/tmp/tierstore-{xxhash.xxh3_64_hexdigest(os.path.abspath(path).encode())}.sock"
+    digest = xxhash.xxh3_64_hexdigest(os.path.abspath(path).encode())
+    return os.path.join(f"/tmp/tierstore-{os.getuid()}", f"{digest}.sock")
 
 
 def pid_file(path: str) -> str:
     return os.path.join(redis_dir(path), "redis.pid")
 
 
-def _listening(sock: str) -> bool:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+def _ours(sock: str) -> bool:
+    """Whether a server listens on ``sock``; EmbeddedRedisError if one does that is not ours."""
     try:
-        s.settimeout(0.5)
-        s.connect(sock)
-        return True
+        uid = peer_uid(sock)
     except OSError:
         return False
-    finally:
-        s.close()
+    if uid != os.getuid():
+        raise EmbeddedRedisError(
+            f"tierstore: the embedded Redis socket {sock} is served by uid {uid}, not {os.getuid()}; "
+            "refusing to join it (stop that process, or set redis_url)"
+        )
+    return True
 
 
-def ensure_embedded_redis(path: str, redis_server: str = "redis-server", timeout_s: float = 30.0) -> str:
-    """Start or join the embedded redis-server for ``path``; return its ``unix://`` URL."""
+def _url(sock: str, password: str) -> str:
+    return f"unix://{sock}?password={quote(password)}"
+
+
+def ensure_embedded_redis(path: str, m: Modes, redis_server: str = "redis-server", timeout_s: float = 30.0) -> str:
+    """Start or join the embedded redis-server for ``path``; return its ``unix://`` URL
+    (which holds its password: never log it, see ``config.redact_url``)."""
+    d = redis_dir(path)
     sock = socket_path(path)
-    url = f"unix://{sock}"
-    if _listening(sock):
-        return url
+    sock_dir = os.path.dirname(sock)
+    own_dir(d, m)
+    if sock_dir != d:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(sock_dir, 0o700)
+    check_owned_dir(sock_dir)
+    password = secret(os.path.join(d, "secret"), m)
+    if _ours(sock):
+        return _url(sock, password)
     binary = shutil.which(redis_server)
     if binary is None:
         raise EmbeddedRedisError(
@@ -64,28 +96,46 @@ def ensure_embedded_redis(path: str, redis_server: str = "redis-server", timeout
             "Redis. Install one (Debian/Ubuntu: apt-get install redis-server) or set "
             "\"redis_url\": \"redis://host:port/db\" in --hicache-storage-backend-extra-config."
         )
-    d = redis_dir(path)
-    os.makedirs(d, exist_ok=True)
-    with open(os.path.join(d, "start.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if _listening(sock):
-            return url
-        if os.path.exists(sock):
+    lock_fd = os.open(os.path.join(d, "start.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, m.file)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        if _ours(sock):
+            return _url(sock, password)
+        if os.path.lexists(sock):
             os.unlink(sock)  # left by a redis-server that died
-        cmd = [
-            binary, "--port", "0", "--unixsocket", sock, "--unixsocketperm", "700",
-            "--dir", d, "--appendonly", "yes", "--save", "",
-            "--daemonize", "yes", "--pidfile", pid_file(path), "--logfile", os.path.join(d, "redis.log"),
-        ]
+        conf = os.path.join(d, "redis.conf")
+        _write_conf(conf, m, password, {
+            "port": "0", "unixsocket": sock, "unixsocketperm": "700", "dir": d, "appendonly": "yes",
+            "save": '""', "daemonize": "yes", "pidfile": pid_file(path), "logfile": os.path.join(d, "redis.log"),
+        })
+        for name in os.listdir(d):  # files an earlier build left readable
+            p = os.path.join(d, name)
+            os.chmod(p, m.dir if os.path.isdir(p) else m.file)
+        umask = 0o077 if m.dir == 0o700 else 0o027
         try:
-            subprocess.run(cmd, check=True, capture_output=True, timeout=timeout_s)
+            subprocess.run([binary, conf], check=True, capture_output=True, timeout=timeout_s,
+                           preexec_fn=lambda: os.umask(umask))
         except (OSError, subprocess.SubprocessError) as e:
             raise EmbeddedRedisError(f"tierstore: starting embedded redis-server failed: {e}") from e
         deadline = time.monotonic() + timeout_s
-        while not _listening(sock):
+        while not _ours(sock):
             if time.monotonic() > deadline:
                 raise EmbeddedRedisError(
                     f"tierstore: embedded redis-server did not listen on {sock} within {timeout_s}s; see {d}/redis.log"
                 )
             time.sleep(0.05)
-    return url
+    finally:
+        os.close(lock_fd)
+    return _url(sock, password)
+
+
+def _write_conf(path: str, m: Modes, password: str, settings: dict[str, str]) -> None:
+    """redis.conf with the password (never on a command line, where ``ps`` shows it)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    lines = [f"{k} {v}" for k, v in settings.items()] + [f"requirepass {password}"]
+    fd = create_file(tmp, m)
+    try:
+        os.write(fd, ("\n".join(lines) + "\n").encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)

@@ -22,6 +22,7 @@ layout before regions (keys ``<prefix>:bytes``, ``<prefix>:e:...``, files
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
@@ -47,6 +48,7 @@ from sglang_tierstore.allocator import (
 )
 from sglang_tierstore.errors import ConfigError
 from sglang_tierstore.index import RedisIndex
+from sglang_tierstore.private import PRIVATE, Modes, create_file, own_dir
 from sglang_tierstore.schema import FORMAT, glob_escape, meta_key, shard_keys, store_tag
 
 logger = logging.getLogger(__name__)
@@ -81,13 +83,15 @@ class Attachment:
 
 
 @contextmanager
-def _locked(paths: Sequence[str], prefix: str) -> Iterator[None]:
+def _locked(paths: Sequence[str], prefix: str, m: Modes) -> Iterator[None]:
     with ExitStack() as stack:
         for p in sorted(os.path.abspath(x) for x in paths):
             d = prefix_dir(p, prefix)
-            os.makedirs(d, exist_ok=True)
-            f = stack.enter_context(open(os.path.join(d, ".lock"), "a"))
-            fcntl.flock(f, fcntl.LOCK_EX)
+            own_dir(d, m)
+            fd = os.open(os.path.join(d, ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, m.file)
+            stack.callback(os.close, fd)
+            os.fchmod(fd, m.file)
+            fcntl.flock(fd, fcntl.LOCK_EX)
         yield
 
 
@@ -104,10 +108,12 @@ def _read_marker(path: str, prefix: str) -> Optional[dict[str, str]]:
     return {"store": str(doc["store"]), "dir": str(doc["dir"])}
 
 
-def _write_marker(path: str, prefix: str, store_id: str, dir_id: str) -> None:
+def _write_marker(path: str, prefix: str, store_id: str, dir_id: str, m: Modes) -> None:
     d = prefix_dir(path, prefix)
     tmp = os.path.join(d, f".{MARKER}.{os.getpid()}")
-    with open(tmp, "w") as f:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)  # left by a crashed process with our pid
+    with os.fdopen(create_file(tmp, m), "w") as f:
         json.dump({"prefix": prefix, "store": store_id, "dir": dir_id}, f)
         f.flush()
         os.fsync(f.fileno())
@@ -162,7 +168,7 @@ def _drop_store(index: RedisIndex, prefix: str, store_id: str, shards: int, path
 
 
 def attach(index: RedisIndex, prefix: str, paths: Sequence[str], capacity: int, shards: int,
-           startup: bool, now: float) -> Attachment:
+           startup: bool, now: float, m: Modes = PRIVATE) -> Attachment:
     """Adopt or create the store these directories belong to (see module docstring).
 
     ``startup``: this is the process's first attach, so the store may be re-formatted
@@ -170,7 +176,7 @@ def attach(index: RedisIndex, prefix: str, paths: Sequence[str], capacity: int, 
     went away under a running process) only adopts or creates.
     """
     index.register(ALL_SCRIPTS)
-    with _locked(paths, prefix):
+    with _locked(paths, prefix, m):
         markers = [_read_marker(p, prefix) for p in paths]
         ids = sorted({m["store"] for m in markers if m})
         if len(ids) > 1:
@@ -211,9 +217,9 @@ def attach(index: RedisIndex, prefix: str, paths: Sequence[str], capacity: int, 
         for p, m in zip(paths, markers):
             dir_id = m["dir"] if m else secrets.token_hex(4)
             if not m or m["store"] != store_id:
-                _write_marker(p, prefix, store_id, dir_id)
+                _write_marker(p, prefix, store_id, dir_id, m)
             sd = store_dir(p, prefix, store_id)
-            os.makedirs(sd, exist_ok=True)
+            own_dir(sd, m)
             dirs[dir_id] = sd
             for other in os.listdir(prefix_dir(p, prefix)):  # pages of stores dropped meanwhile
                 if other != store_id and re.match(r"^[0-9a-f]{16}$", other):

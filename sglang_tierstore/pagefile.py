@@ -38,6 +38,7 @@ import xxhash
 
 from sglang_tierstore.allocator import Geometry
 from sglang_tierstore.errors import FileGone, PageIOError
+from sglang_tierstore.private import PRIVATE, Modes, create_file, own_dir
 from sglang_tierstore.schema import FORMAT, HEADER_BYTES
 
 MAGIC = "tierstore-pages"
@@ -92,9 +93,11 @@ class PageFiles:
         resolve: Callable[[int], Optional[FileRecord]],
         o_direct: bool,
         fsync: bool,
+        modes: Modes = PRIVATE,
     ) -> None:
         """``dirs``: directory id -> the store's directory there; ``resolve``: the
         index's record of a file number (None if it has none)."""
+        self.modes = modes
         self.prefix = prefix
         self.geometry = geometry
         self.dirs = dict(dirs)
@@ -104,7 +107,7 @@ class PageFiles:
         self._open: dict[int, _Open] = {}
         self._lock = threading.Lock()
         for d in self.dirs.values():
-            os.makedirs(d, exist_ok=True)
+            own_dir(d, modes)
 
     # -- naming --------------------------------------------------------------------
 
@@ -126,7 +129,7 @@ class PageFiles:
         final = self.path(file_no, dir_id)
         tmp = f"{final}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
-            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            fd = create_file(tmp, self.modes, os.O_RDWR)
             try:
                 os.pwrite(fd, self.header(file_no, uid), 0)
                 os.fdatasync(fd)

@@ -42,6 +42,7 @@ from sglang_tierstore.index import RedisIndex
 from sglang_tierstore.io_engine import IOEngine
 from sglang_tierstore.metrics import Metrics, RateLimitedLog
 from sglang_tierstore.pagefile import FileRecord, PageFiles, checksum
+from sglang_tierstore.private import modes
 from sglang_tierstore.schema import (
     ENTRY,
     USED,
@@ -106,6 +107,7 @@ class TierStore:
 
     def __init__(self, cfg: TierStoreConfig, redis_url: str, clock: Callable[[], float] = mod_time.time) -> None:
         self.cfg = cfg
+        self.modes = modes(cfg.file_access)
         self.clock = clock
         self.index = RedisIndex(redis_url, cfg.redis_timeout_s, cfg.redis_retry_s, clock)
         self.io = IOEngine(cfg.io_threads)
@@ -135,10 +137,11 @@ class TierStore:
             if self._att is None:
                 cfg = self.cfg
                 att = home.attach(self.index, cfg.redis_prefix, cfg.path, cfg.capacity_bytes, cfg.index_shards,
-                                  startup=not self._started, now=self.clock())
+                                  startup=not self._started, now=self.clock(), m=self.modes)
                 self._started = True
                 alloc = Allocator(self.index, att.tag, att.geometry, list(att.dirs), cfg.lease_s, self._token, self.clock)
-                files = PageFiles(cfg.redis_prefix, att.geometry, att.dirs, self.record, cfg.o_direct, cfg.fsync == "commit")
+                files = PageFiles(cfg.redis_prefix, att.geometry, att.dirs, self.record, cfg.o_direct,
+                                  cfg.fsync == "commit", self.modes)
                 self._att = _Attached(att, alloc, files)
                 for ns in list(self._namespaces.values()):
                     self._register_ns(ns)

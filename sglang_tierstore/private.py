@@ -1,0 +1,168 @@
+"""Files no other user can read, directories checked before anything starts, and secrets.
+
+KV pages are derived from users' prompts, and the index decides which bytes are served for
+which key: on a node shared with other users, every directory tierstore creates is 0700 and
+every file 0600 (or 0750/0640 with ``"file_access": "group"``, for an operator's tools running
+as another user of the group), set explicitly rather than left to the umask. Directories in
+``path`` are checked (created if missing, a probe file written, synced and removed) before an
+embedded Redis starts or a store is attached, and what the check created is removed again if
+it fails, so a failed start leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import socket
+import stat
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sglang_tierstore.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class Modes:
+    dir: int
+    file: int
+
+
+PRIVATE = Modes(0o700, 0o600)
+GROUP = Modes(0o750, 0o640)
+
+
+def modes(access: str) -> Modes:
+    return GROUP if access == "group" else PRIVATE
+
+
+def make_dir(path: str, m: Modes) -> None:
+    """``path`` and missing parents, each created with mode ``m.dir`` whatever the umask;
+    an existing directory keeps its mode (it may be a mount point the operator owns)."""
+    missing = []
+    p = os.path.abspath(path)
+    while not os.path.isdir(p):
+        missing.append(p)
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, m.dir)
+        except FileExistsError:
+            if not os.path.isdir(d):
+                raise
+            continue
+        os.chmod(d, m.dir)
+
+
+def own_dir(path: str, m: Modes) -> None:
+    """A directory that is tierstore's own (a store's directory, the embedded Redis's):
+    created if missing, and its mode set to ``m.dir`` every time."""
+    make_dir(path, m)
+    os.chmod(path, m.dir)
+
+
+def create_file(path: str, m: Modes, flags: int = os.O_WRONLY) -> int:
+    """A new file (``O_EXCL``) with mode ``m.file`` whatever the umask; its descriptor."""
+    fd = os.open(path, flags | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, m.file)
+    os.fchmod(fd, m.file)
+    return fd
+
+
+def check_dirs(paths: Sequence[str], m: Modes) -> list[str]:
+    """Every directory in ``paths`` exists or can be created, and takes a written, synced and
+    removed probe file; or ConfigError naming the directory, with whatever this created
+    removed again. Returns the directories it created (see :func:`remove_created`)."""
+    created: list[str] = []
+    try:
+        for path in paths:
+            p = os.path.abspath(path)
+            missing = _missing_ancestors(p)
+            try:
+                make_dir(p, m)
+                _probe(p, m)
+            except OSError as e:
+                raise ConfigError(
+                    f"tierstore config key 'path': {path!r} is not a writable directory ({e.strerror or e})"
+                ) from None
+            finally:
+                created += [d for d in missing if os.path.isdir(d)]
+    except ConfigError:
+        remove_created(created)
+        raise
+    return created
+
+
+def remove_created(created: Sequence[str]) -> None:
+    """Undo :func:`check_dirs` after a later step of start-up failed: the directories it
+    created, with what start-up put in them (nothing there predates this process)."""
+    for d in sorted(created, key=len, reverse=True):
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _missing_ancestors(p: str) -> list[str]:
+    out = []
+    while not os.path.lexists(p):
+        out.append(p)
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    return out
+
+
+def _probe(d: str, m: Modes) -> None:
+    probe = os.path.join(d, f".tierstore-probe-{os.getpid()}-{secrets.token_hex(4)}")
+    fd = create_file(probe, m)
+    try:
+        os.write(fd, b"tierstore")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        os.unlink(probe)
+
+
+def secret(path: str, m: Modes) -> str:
+    """The secret kept in ``path`` (created with a fresh random value if missing). A file
+    readable by anyone but its owner (and, with group access, the group) is refused."""
+    try:
+        fd = create_file(path, m)
+    except FileExistsError:
+        pass
+    else:
+        try:
+            os.write(fd, secrets.token_hex(32).encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    st = os.stat(path)
+    if st.st_uid != os.getuid() or st.st_mode & 0o777 & ~m.file:
+        raise ConfigError(f"tierstore: {path} must be owned by uid {os.getuid()} with mode {m.file:o} or stricter")
+    with open(path) as f:
+        value = f.read().strip()
+    if len(value) < 32:
+        raise ConfigError(f"tierstore: {path} does not hold a secret (expected 64 hex characters)")
+    return value
+
+
+def check_owned_dir(path: str) -> None:
+    """``path`` is a real directory (no symlink) owned by this user that no one else can
+    enter: where a socket may live without another user taking its name first."""
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise ConfigError(
+            f"tierstore: {path} must be a directory owned by uid {os.getuid()} that only its owner can enter "
+            f"(found uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}); refusing to use a socket there"
+        )
+
+
+def peer_uid(sock_path: str, timeout_s: float = 0.5) -> int:
+    """The uid of the process listening on a unix socket (``SO_PEERCRED``)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout_s)
+        s.connect(sock_path)
+        _pid, uid, _gid = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        return int(uid)

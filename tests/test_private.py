@@ -1,0 +1,216 @@
+"""A node shared with other users: start-up that fails clean, private files, an embedded
+index that is ours or refused, and passwords that never reach a log line or an error.
+
+Some cases need a second uid (a directory or a socket owned by someone else): they run
+when the tests run as root, as CI does, and are skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import stat
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import RedisProc
+from pools import fill, keys, mha_pool, page_indices, storage_config
+
+from sglang_tierstore import ConfigError, EmbeddedRedisError, TierStoreBackend
+from sglang_tierstore.config import TierStoreConfig, redact_url
+from sglang_tierstore.embedded import pid_file, redis_dir, socket_path
+
+NOBODY = 65534
+as_root = pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as a second user")
+
+
+def stop_embedded(path: Path) -> None:
+    try:
+        os.kill(int(Path(pid_file(str(path))).read_text()), 9)
+    except (OSError, ValueError):
+        pass
+
+
+@pytest.fixture
+def umask_zero() -> Iterator[None]:
+    old = os.umask(0)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def write_some_pages(be: TierStoreBackend) -> None:
+    pool = mha_pool("page_first")
+    fill(pool, 3)
+    be.register_mem_pool_host(pool)
+    assert be.batch_set_v1(keys(3), page_indices([0, 1, 2], 4)) == [True] * 3
+
+
+def modes_under(root: Path) -> dict[str, int]:
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = os.path.join(dirpath, name)
+            st = os.lstat(p)
+            if not stat.S_ISSOCK(st.st_mode):
+                out[os.path.relpath(p, root)] = stat.S_IMODE(st.st_mode)
+    return out
+
+
+# -- validate before starting anything ------------------------------------------------
+
+
+def test_a_bad_directory_stops_start_up_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a directory")
+    new = tmp_path / "new" / "deeper"
+    cfg = {"path": [str(new), str(a_file / "sub")], "capacity_gb": 0.1}  # embedded Redis: none may start
+    with pytest.raises(ConfigError, match=r"'path': .*a-file/sub.* not a writable directory"):
+        TierStoreBackend(storage_config(cfg), {})
+    assert not (tmp_path / "new").exists()  # what the check created is gone again
+    assert sorted(os.listdir(tmp_path)) == ["a-file"]
+    assert not os.path.exists(socket_path(str(new)))
+
+
+def test_an_uncreatable_directory_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"'path': '/proc/tierstore-test' is not a writable directory"):
+        TierStoreBackend(storage_config({"path": "/proc/tierstore-test", "redis_url": "redis://127.0.0.1:1/0"}), {})
+
+
+@pytest.mark.parametrize("url, shown", [
+    ("http://admin:hunter2@h:6379/0", "http://admin:***@h:6379/0"),
+    ("redis://:hunter2@h:99999/0", "redis://:***@h:99999/0"),
+    ("redis://:hunter2@h/zero", "redis://:***@h/zero"),
+    ("rediss://hunter2@/0", "rediss://***@/0"),
+])
+def test_bad_redis_urls_are_named_without_their_password(url: str, shown: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        TierStoreConfig.from_dict({"path": "/tmp/x", "redis_url": url})
+    assert "redis_url" in str(e.value) and shown in str(e.value) and "hunter2" not in str(e.value)
+
+
+def test_redact_url() -> None:
+    assert redact_url("redis://user:pw@h:1/0") == "redis://user:***@h:1/0"
+    assert redact_url("unix:///run/r.sock?db=0&password=pw") == "unix:///run/r.sock?db=0&password=***"
+    assert redact_url("redis://h:1/0") == "redis://h:1/0"
+
+
+# -- private by default -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("access, dirs, files", [("private", 0o700, 0o600), ("group", 0o750, 0o640)])
+def test_every_directory_and_file_has_the_mode_whatever_the_umask(
+        tmp_path: Path, umask_zero: None, access: str, dirs: int, files: int) -> None:
+    root = tmp_path / "store"
+    cfg = {"path": str(root), "capacity_gb": 0.1, "interface_v1": 1, "file_access": access}
+    try:
+        with TierStoreBackend(storage_config(cfg), {}) as be:
+            write_some_pages(be)
+    finally:
+        stop_embedded(root)
+    found = modes_under(root)
+    names = {os.path.basename(p) for p in found}
+    assert {"redis.conf", "secret", "redis.pid", "redis.log", "store.json", ".lock"} <= names
+    assert any(p.endswith(".pages") for p in found) and any("appendonly" in p for p in found)
+    want = {p: (dirs if (root / p).is_dir() else files) for p in found}
+    assert found == want
+    assert stat.S_IMODE(os.stat(root).st_mode) == dirs  # created by tierstore: its mode too
+
+
+# -- the embedded index is ours or refused -----------------------------------------------------
+
+
+def test_the_embedded_redis_requires_its_password(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    try:
+        with TierStoreBackend(storage_config({"path": str(root), "capacity_gb": 0.1}), {}):
+            secret = (Path(redis_dir(str(root))) / "secret").read_text().strip()
+            with socket.socket(socket.AF_UNIX) as s:
+                s.connect(socket_path(str(root)))
+                s.sendall(b"PING\r\n")
+                assert s.recv(64).startswith(b"-NOAUTH")
+                s.sendall(f"AUTH {secret}\r\nPING\r\n".encode())
+                time.sleep(0.2)
+                assert s.recv(64) == b"+OK\r\n+PONG\r\n"
+            assert secret not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
+    finally:
+        stop_embedded(root)
+
+
+def long_path(tmp_path: Path) -> Path:
+    p = tmp_path / ("d" * 100)
+    assert len(os.path.join(redis_dir(str(p)), "redis.sock")) >= 104
+    return p
+
+
+@as_root
+def test_a_socket_directory_someone_else_owns_is_refused(tmp_path: Path) -> None:
+    path = long_path(tmp_path)
+    sock_dir = Path(socket_path(str(path))).parent
+    created = not sock_dir.exists()
+    if created:
+        sock_dir.mkdir(mode=0o700)
+    try:
+        os.chown(sock_dir, NOBODY, NOBODY)
+        with pytest.raises(ConfigError, match="refusing to use a socket there"):
+            TierStoreBackend(storage_config({"path": str(path), "capacity_gb": 0.1}), {})
+        assert not path.exists()  # created for this start, removed when it failed
+    finally:
+        os.chown(sock_dir, 0, 0)
+        if created:
+            sock_dir.rmdir()
+    assert not os.path.exists(pid_file(str(path)))  # no redis-server was started
+
+
+@as_root
+def test_an_impostor_on_the_socket_is_refused(tmp_path: Path) -> None:
+    """Another user's server bound where tierstore's socket goes (moved into place after it
+    bound: SO_PEERCRED still names its owner) is never joined."""
+    path = long_path(tmp_path)
+    sock = socket_path(str(path))
+    Path(sock).parent.mkdir(mode=0o700, exist_ok=True)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    bound = str(shared / "imp.sock")
+    imp = subprocess.Popen(
+        ["redis-server", "--port", "0", "--unixsocket", bound, "--unixsocketperm", "777", "--save", ""],
+        user=NOBODY, group=NOBODY, cwd="/tmp", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while not os.path.exists(bound):
+            assert time.monotonic() < deadline, "impostor did not start"
+            time.sleep(0.05)
+        os.replace(bound, sock)
+        with pytest.raises(EmbeddedRedisError, match=f"served by uid {NOBODY}.*refusing to join"):
+            TierStoreBackend(storage_config({"path": str(path), "capacity_gb": 0.1}), {})
+    finally:
+        imp.kill()
+        imp.wait()
+        os.unlink(sock)
+
+
+# -- secrets never logged -----------------------------------------------------------------------
+
+
+def test_a_password_is_never_logged(tmp_path: Path, redis_proc: RedisProc, caplog: Any) -> None:
+    """A Redis that refuses the password: the failures are logged and counted, the password
+    appears in no log line (DEBUG included), error text or stats."""
+    caplog.set_level(logging.DEBUG)
+    url = redis_proc.url.replace("redis://", "redis://default:hunter2-secret@")
+    cfg = {"path": str(tmp_path / "s"), "redis_url": url, "capacity_gb": 0.1, "interface_v1": 1, "log_interval_s": 0.01}
+    with TierStoreBackend(storage_config(cfg), {}) as be:
+        pool = mha_pool("page_first")
+        fill(pool, 2)
+        be.register_mem_pool_host(pool)
+        assert be.batch_set_v1(keys(2), page_indices([0, 1], 4)) == [False, False]
+        assert be.batch_exists(keys(2)) == 0
+        stats = repr(be.get_stats()) + repr(be.store.stats())
+    assert "redis://default:***@" in caplog.text  # the start-up line names the index, redacted
+    assert "hunter2" not in caplog.text and "hunter2" not in stats
