@@ -28,6 +28,7 @@ import xxhash
 
 from sglang_tierstore.errors import EmbeddedRedisError
 from sglang_tierstore.private import (
+    PRIVATE,
     Modes,
     check_owned_dir,
     create_file,
@@ -85,7 +86,7 @@ def ensure_embedded_redis(path: str, m: Modes, redis_server: str = "redis-server
     if sock_dir != d:
         with contextlib.suppress(FileExistsError):
             os.mkdir(sock_dir, 0o700)
-    check_owned_dir(sock_dir)
+    check_owned_dir(sock_dir, m if sock_dir == d else PRIVATE)
     password = secret(os.path.join(d, "secret"), m)
     if _ours(sock):
         return _url(sock, password)

@@ -168,7 +168,7 @@ def _drop_store(index: RedisIndex, prefix: str, store_id: str, shards: int, path
 
 
 def attach(index: RedisIndex, prefix: str, paths: Sequence[str], capacity: int, shards: int,
-           startup: bool, now: float, m: Modes = PRIVATE) -> Attachment:
+           startup: bool, now: float, access: Modes = PRIVATE) -> Attachment:
     """Adopt or create the store these directories belong to (see module docstring).
 
     ``startup``: this is the process's first attach, so the store may be re-formatted
@@ -176,7 +176,7 @@ def attach(index: RedisIndex, prefix: str, paths: Sequence[str], capacity: int, 
     went away under a running process) only adopts or creates.
     """
     index.register(ALL_SCRIPTS)
-    with _locked(paths, prefix, m):
+    with _locked(paths, prefix, access):
         markers = [_read_marker(p, prefix) for p in paths]
         ids = sorted({m["store"] for m in markers if m})
         if len(ids) > 1:
@@ -217,9 +217,9 @@ def attach(index: RedisIndex, prefix: str, paths: Sequence[str], capacity: int, 
         for p, m in zip(paths, markers):
             dir_id = m["dir"] if m else secrets.token_hex(4)
             if not m or m["store"] != store_id:
-                _write_marker(p, prefix, store_id, dir_id, m)
+                _write_marker(p, prefix, store_id, dir_id, access)
             sd = store_dir(p, prefix, store_id)
-            own_dir(sd, m)
+            own_dir(sd, access)
             dirs[dir_id] = sd
             for other in os.listdir(prefix_dir(p, prefix)):  # pages of stores dropped meanwhile
                 if other != store_id and re.match(r"^[0-9a-f]{16}$", other):

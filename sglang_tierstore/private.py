@@ -148,13 +148,15 @@ def secret(path: str, m: Modes) -> str:
     return value
 
 
-def check_owned_dir(path: str) -> None:
-    """``path`` is a real directory (no symlink) owned by this user that no one else can
-    enter: where a socket may live without another user taking its name first."""
+def check_owned_dir(path: str, m: Modes = PRIVATE) -> None:
+    """``path`` is a real directory (no symlink) owned by this user that no one else (but,
+    with group access, the group) can enter: where a socket may live without another user
+    taking its name first."""
     st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+    others = 0o077 if m == PRIVATE else 0o027
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & others:
         raise ConfigError(
-            f"tierstore: {path} must be a directory owned by uid {os.getuid()} that only its owner can enter "
+            f"tierstore: {path} must be a directory owned by uid {os.getuid()} that no other user can enter "
             f"(found uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}); refusing to use a socket there"
         )
 

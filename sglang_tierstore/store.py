@@ -137,7 +137,7 @@ class TierStore:
             if self._att is None:
                 cfg = self.cfg
                 att = home.attach(self.index, cfg.redis_prefix, cfg.path, cfg.capacity_bytes, cfg.index_shards,
-                                  startup=not self._started, now=self.clock(), m=self.modes)
+                                  startup=not self._started, now=self.clock(), access=self.modes)
                 self._started = True
                 alloc = Allocator(self.index, att.tag, att.geometry, list(att.dirs), cfg.lease_s, self._token, self.clock)
                 files = PageFiles(cfg.redis_prefix, att.geometry, att.dirs, self.record, cfg.o_direct,

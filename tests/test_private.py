@@ -7,11 +7,13 @@ when the tests run as root, as CI does, and are skipped otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
 import stat
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -175,8 +177,7 @@ def test_an_impostor_on_the_socket_is_refused(tmp_path: Path) -> None:
     path = long_path(tmp_path)
     sock = socket_path(str(path))
     Path(sock).parent.mkdir(mode=0o700, exist_ok=True)
-    shared = tmp_path / "shared"
-    shared.mkdir()
+    shared = Path(tempfile.mkdtemp(prefix="ts-impostor-", dir="/tmp"))  # where the other user can bind
     os.chmod(shared, 0o777)
     bound = str(shared / "imp.sock")
     imp = subprocess.Popen(
@@ -193,17 +194,23 @@ def test_an_impostor_on_the_socket_is_refused(tmp_path: Path) -> None:
     finally:
         imp.kill()
         imp.wait()
-        os.unlink(sock)
+        for leftover in (sock, bound):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(leftover)
+        shared.rmdir()
 
 
 # -- secrets never logged -----------------------------------------------------------------------
 
 
-def test_a_password_is_never_logged(tmp_path: Path, redis_proc: RedisProc, caplog: Any) -> None:
+def test_a_password_is_never_logged(tmp_path: Path, private_redis: RedisProc, caplog: Any) -> None:
     """A Redis that refuses the password: the failures are logged and counted, the password
     appears in no log line (DEBUG included), error text or stats."""
+    with socket.create_connection(("127.0.0.1", private_redis.port)) as s:
+        s.sendall(b"CONFIG SET requirepass the-right-one\r\n")
+        assert s.recv(16).startswith(b"+OK")
     caplog.set_level(logging.DEBUG)
-    url = redis_proc.url.replace("redis://", "redis://default:hunter2-secret@")
+    url = private_redis.url.replace("redis://", "redis://default:hunter2-secret@")
     cfg = {"path": str(tmp_path / "s"), "redis_url": url, "capacity_gb": 0.1, "interface_v1": 1, "log_interval_s": 0.01}
     with TierStoreBackend(storage_config(cfg), {}) as be:
         pool = mha_pool("page_first")
