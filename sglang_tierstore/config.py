@@ -74,6 +74,10 @@ def _str(v: Any) -> str:
     return v
 
 
+def _optional_str(v: Any) -> Optional[str]:
+    return None if v is None else _str(v)
+
+
 def _prefix(v: Any) -> str:
     s = _str(v)
     if not s or any(c in s for c in "{}|,") or any(c.isspace() for c in s):
@@ -176,6 +180,8 @@ SETTINGS: dict[str, Setting] = {
     "free_target": Setting(0.02, _fraction, "Once the store is full, housekeeping keeps this fraction of its regions free (evicting the least recently used) so writes seldom evict inline."),
     "log_interval_s": Setting(10.0, _positive_number, "At most one log line per kind of failure in this interval."),
     "redis_server": Setting("redis-server", _str, "redis-server binary for the embedded Redis."),
+    "redis_password_env": Setting(None, _optional_str, "Name of an environment variable holding the password of `redis_url`'s Redis (kept out of the URL and the config)."),
+    "redis_password_file": Setting(None, _optional_str, "A file holding the password of `redis_url`'s Redis; it must be owned by this user and not readable by others."),
     "file_access": Setting("private", _choice("private", "group"), "`private`: directories 0700 and files 0600 (page files, markers, the embedded Redis's files), whatever the umask; `group`: 0750 and 0640, for an operator's tools running as another user of the group."),
 }
 
@@ -200,6 +206,8 @@ class TierStoreConfig:
     free_target: float = SETTINGS["free_target"].default
     log_interval_s: float = SETTINGS["log_interval_s"].default
     redis_server: str = SETTINGS["redis_server"].default
+    redis_password_env: Optional[str] = SETTINGS["redis_password_env"].default
+    redis_password_file: Optional[str] = SETTINGS["redis_password_file"].default
     file_access: str = SETTINGS["file_access"].default
 
     @property

@@ -37,6 +37,7 @@ class RedisIndex:
         timeout_s: float,
         retry_s: float,
         clock: Callable[[], float] = mod_time.time,
+        password: Optional[str] = None,
     ) -> None:
         self.retry_s = retry_s
         self._clock = clock
@@ -50,6 +51,7 @@ class RedisIndex:
             socket_connect_timeout=timeout_s,
             retry=Retry(NoBackoff(), 1),
             retry_on_timeout=False,
+            **({"password": password} if password is not None else {}),
         )
         self._scripts: dict[str, tuple[str, str]] = {}  # name -> (sha1, text)
 

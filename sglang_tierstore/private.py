@@ -148,6 +148,35 @@ def secret(path: str, m: Modes) -> str:
     return value
 
 
+def redis_password(env: str | None, path: str | None) -> str | None:
+    """The index's password from an environment variable or a file (``redis_password_env``,
+    ``redis_password_file``): ConfigError naming the key, never the value, if it is missing,
+    empty, or in a file others can read."""
+    if env is not None and path is not None:
+        raise ConfigError("tierstore config keys 'redis_password_env' and 'redis_password_file': set one, not both")
+    if env is not None:
+        value = os.environ.get(env, "")
+        if not value:
+            raise ConfigError(f"tierstore config key 'redis_password_env': environment variable {env!r} is unset or empty")
+        return value
+    if path is None:
+        return None
+    try:
+        st = os.stat(path)
+        with open(path) as f:
+            value = f.read().strip()
+    except OSError as e:
+        raise ConfigError(f"tierstore config key 'redis_password_file': cannot read {path!r} ({e.strerror})") from None
+    if st.st_uid != os.getuid() or st.st_mode & 0o007:
+        raise ConfigError(
+            f"tierstore config key 'redis_password_file': {path!r} must be owned by uid {os.getuid()} and not "
+            f"readable by others (found uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o})"
+        )
+    if not value:
+        raise ConfigError(f"tierstore config key 'redis_password_file': {path!r} is empty")
+    return value
+
+
 def check_owned_dir(path: str, m: Modes = PRIVATE) -> None:
     """``path`` is a real directory (no symlink) owned by this user that no one else (but,
     with group access, the group) can enter: where a socket may live without another user

@@ -221,3 +221,43 @@ def test_a_password_is_never_logged(tmp_path: Path, private_redis: RedisProc, ca
         stats = repr(be.get_stats()) + repr(be.store.stats())
     assert "redis://default:***@" in caplog.text  # the start-up line names the index, redacted
     assert "hunter2" not in caplog.text and "hunter2" not in stats
+
+
+def refusing_redis(proc: RedisProc, password: str) -> None:
+    with socket.create_connection(("127.0.0.1", proc.port)) as s:
+        s.sendall(f"CONFIG SET requirepass {password}\r\n".encode())
+        assert s.recv(16).startswith(b"+OK")
+
+
+def test_the_index_password_from_an_environment_variable_or_a_file(
+        tmp_path: Path, private_redis: RedisProc, caplog: Any, monkeypatch: Any) -> None:
+    refusing_redis(private_redis, "s3cret-pw")
+    caplog.set_level(logging.DEBUG)
+    monkeypatch.setenv("TS_TEST_REDIS_PASSWORD", "s3cret-pw")
+    pw_file = tmp_path / "pw"
+    pw_file.write_text("s3cret-pw\n")
+    os.chmod(pw_file, 0o600)
+    base = {"redis_url": private_redis.url, "capacity_gb": 0.1, "interface_v1": 1}
+    for i, extra in enumerate(({"redis_password_env": "TS_TEST_REDIS_PASSWORD"}, {"redis_password_file": str(pw_file)})):
+        with TierStoreBackend(storage_config({**base, **extra, "path": str(tmp_path / f"s{i}")}), {}) as be:
+            write_some_pages(be)
+            assert be.batch_exists(keys(3)) == 3
+    assert "s3cret-pw" not in caplog.text
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"redis_password_env": "TS_TEST_UNSET_VARIABLE"}, "'redis_password_env': environment variable 'TS_TEST_UNSET_VARIABLE' is unset"),
+    ({"redis_password_file": "/nonexistent/pw"}, "'redis_password_file': cannot read '/nonexistent/pw'"),
+    ({"redis_password_file": "WORLD"}, "'redis_password_file': .* not readable by others .*mode 644"),
+    ({"redis_password_env": "X", "redis_password_file": "WORLD"}, "set one, not both"),
+])
+def test_a_bad_password_source_is_named_without_the_password(tmp_path: Path, extra: dict[str, str], match: str) -> None:
+    world = tmp_path / "pw"
+    world.write_text("visible-pw")
+    os.chmod(world, 0o644)
+    extra = {k: str(world) if v == "WORLD" else v for k, v in extra.items()}
+    cfg = {"path": str(tmp_path / "s"), "redis_url": "redis://127.0.0.1:1/0", **extra}
+    with pytest.raises(ConfigError, match=match) as e:
+        TierStoreBackend(storage_config(cfg), {})
+    assert "visible-pw" not in str(e.value)
+    assert not (tmp_path / "s").exists()  # refused before anything was created
