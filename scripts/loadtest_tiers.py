@@ -35,10 +35,11 @@ from typing import Any
 import requests
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+sys.path[:0] = [HERE, os.path.join(HERE, "..", "tests")]
 
 from cpu_harness import tiny_model
 from cpu_harness.server import BASE_FLAGS, Server, storage_args, tierstore_config
+from multiturn_loadtest import load_rows
 
 from sglang_tierstore.embedded import pid_file
 from sglang_tierstore.plan import EmpiricalGaps, kv_bytes_per_token, plan
@@ -154,13 +155,6 @@ def calibrate(server: Server, vocab: list[int], prefix: int, rng: random.Random,
 
 
 # -- planner against measurement ----------------------------------------------------------------
-
-
-def rows_of(output_dir: str, tag: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    with open(os.path.join(output_dir, f"{tag}.summary.json")) as f:
-        s = json.load(f)
-    with open(os.path.join(output_dir, s["jsonl"])) as f:
-        return s, [json.loads(line) for line in f if line.strip()]
 
 
 def gauge(metrics: dict[str, float], name: str) -> float:
@@ -305,7 +299,7 @@ def report(args: argparse.Namespace, configs: list[str], model: str, bpt: int) -
     summaries = [os.path.join(args.output_dir, f"{c}.summary.json") for c in configs]
     table = subprocess.run([sys.executable, LOADTEST, "--compare", *summaries, "--output-dir", args.output_dir],
                            check=True, capture_output=True, text=True).stdout
-    runs = {c: rows_of(args.output_dir, c) for c in configs}
+    runs = {c: load_rows(path) for c, path in zip(configs, summaries)}
     outputs = {c: s["outputs"] for c, (s, _) in runs.items()}
     ref = outputs[configs[0]]
     differing = {c: sorted(k for k in ref if o.get(k) != ref[k]) for c, o in outputs.items()}

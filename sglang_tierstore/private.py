@@ -11,6 +11,7 @@ it fails, so a failed start leaves nothing behind.
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import shutil
@@ -40,22 +41,15 @@ def modes(access: str) -> Modes:
 def make_dir(path: str, m: Modes) -> None:
     """``path`` and missing parents, each created with mode ``m.dir`` whatever the umask;
     an existing directory keeps its mode (it may be a mount point the operator owns)."""
-    missing = []
     p = os.path.abspath(path)
-    while not os.path.isdir(p):
-        missing.append(p)
-        parent = os.path.dirname(p)
-        if parent == p:
-            break
-        p = parent
-    for d in reversed(missing):
+    for d in reversed(_missing_ancestors(p)):
         try:
             os.mkdir(d, m.dir)
         except FileExistsError:
-            if not os.path.isdir(d):
-                raise
-            continue
+            continue  # created meanwhile by another process
         os.chmod(d, m.dir)
+    if not os.path.isdir(p):
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), p)
 
 
 def own_dir(path: str, m: Modes) -> None:
