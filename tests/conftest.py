@@ -9,7 +9,7 @@ import subprocess
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import pytest
 
@@ -25,13 +25,14 @@ def free_port() -> int:
 class RedisProc:
     """A private redis-server on a loopback port, which tests may kill and restart."""
 
-    def __init__(self, workdir: Path, appendonly: bool = False) -> None:
+    def __init__(self, workdir: Path, appendonly: bool = False, args: Sequence[str] = ()) -> None:
         if REDIS_SERVER is None:
             pytest.fail("redis-server not installed (apt-get install redis-server); .ci/setup.sh installs it")
         self.dir = workdir
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.appendonly = appendonly
+        self.args = list(args)  # more redis-server options, e.g. ("--appendfsync", "always")
         self.proc: Optional[subprocess.Popen[bytes]] = None
         self.start()
 
@@ -42,7 +43,7 @@ class RedisProc:
     def start(self) -> None:
         cmd = [
             str(REDIS_SERVER), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
-            "--save", "", "--appendonly", "yes" if self.appendonly else "no", "--protected-mode", "no",
+            "--save", "", "--appendonly", "yes" if self.appendonly else "no", "--protected-mode", "no", *self.args,
         ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 20
