@@ -7,9 +7,9 @@
 Starts a private redis-server, attaches a store and writes ``--pages`` pages through
 the engine's real write path (4 KiB pages in batches of 128, so no page is evicted),
 then reads ``used_memory`` (INFO memory) before and after. Everything the store keeps
-per page is in the difference: the entry (hash field: namespace + key, 40 bytes;
-value: region, generation, slot, checksum, 20 bytes), the region's member list (40
-bytes per slot), region records and recency. Two namespaces share the store, as
+per page is in the difference: the entry (hash field: namespace + key, 32 bytes;
+value: region, generation, slot, checksum, tag, 36 bytes), the region's member list
+(32 bytes per slot), region records and recency. Two namespaces share the store, as
 two models would. Per TB figures scale the per-page cost by the pages a TB holds at
 each page size (region records add under 0.1 byte per page at 64 MiB regions).
 """

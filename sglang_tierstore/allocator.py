@@ -135,6 +135,13 @@ class Range(NamedTuple):
     start: int
     slots: int
     page_bytes: int
+    gen: int  # the region's generation: part of each entry's tag
+
+
+class Slot(NamedTuple):
+    region: int
+    slot: int
+    gen: int
 
 
 class CommitResult(NamedTuple):
@@ -480,14 +487,15 @@ class Scripts:
     # ARGV[1] store id   ARGV[2] lease id   ARGV[3] now   ARGV[4] lease deadline
     # ARGV[5] this process's directory ids (csv)   ARGV[6] 1: give the whole lease back,
     #   2: give back its slots in draining regions (the writer is idle), 0: neither
-    # ARGV[7] n runs written, then per run: region, first slot, count, the entry fields of
-    #   its pages (FIELD bytes each, concatenated), their checksums (8 bytes LE each)
+    # ARGV[7] n runs written, then per run: region, its generation as the writer leased it,
+    #   first slot, count, the entry fields of its pages (FIELD bytes each, concatenated),
+    #   their entry tails (checksum and tag, TAIL bytes each)
     # then n runs given up (written in vain), per run: region, first slot, count
     # then n refills, per refill: page bytes, slots wanted in stock, 1 if they are needed now
     #   (eviction allowed) or 0 for a stock ahead of need (free space only)
     # returns {flags, regions evicted, pages evicted, shard capacity (regions), n, status_1..n (per page, in run order),
-    #          n fresh, fresh regions..., then (region, start, count, page bytes) per range
-    #          left in the lease}
+    #          n fresh, fresh regions..., then (region, start, count, page bytes, generation) per
+    #          range left in the lease}
     COMMIT = _script(r"""
 if not attach() then return redis.error_reply('TSSTALE') end
 local lease, now, deadline = ARGV[2], tonumber(ARGV[3]), ARGV[4]
@@ -495,11 +503,11 @@ set_reach(ARGV[5])
 local ranges = parse_ranges(redis.call('HGET', K_LEASES, lease))
 local runs, fields, i = {}, {}, 8
 for k = 1, tonumber(ARGV[7]) do
-  local r, s0, n, fblob = tonumber(ARGV[i]), tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2]), ARGV[i + 3]
+  local r, gen, s0, n, fblob = tonumber(ARGV[i]), tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3]), ARGV[i + 4]
   local first = #fields + 1
   for j = 0, n - 1 do fields[first + j] = string.sub(fblob, j * FIELD + 1, (j + 1) * FIELD) end
-  runs[k] = {r, s0, n, first, fblob, ARGV[i + 4]}
-  i = i + 5
+  runs[k] = {r, s0, n, first, fblob, ARGV[i + 5], gen}
+  i = i + 6
 end
 local present = {}  -- fields already stored: one HMGET, not a call per page
 for a = 1, #fields, 1000 do
@@ -508,10 +516,11 @@ for a = 1, #fields, 1000 do
 end
 local status, members, changed, new = {}, {}, {}, {}
 for _, run in ipairs(runs) do
-  local r, s0, n, first, fblob, cblob = run[1], run[2], run[3], run[4], run[5], run[6]
+  local r, s0, n, first, fblob, tblob = run[1], run[2], run[3], run[4], run[5], run[6]
   local got = take_run(ranges, r, s0, n)
   local g = region(r)
-  if g and g.state == DRAINING then  -- leaving the store: the pages are not stored
+  -- leaving the store, or not the generation the tags were made for: not stored
+  if g and (g.state == DRAINING or g.gen ~= run[7]) then
     local taken = 0
     for j = 0, n - 1 do if got[j] then taken = taken + 1 end; got[j] = false end
     if taken > 0 then g.leased = g.leased - taken; touch(r); changed[r] = g end
@@ -537,7 +546,7 @@ for _, run in ipairs(runs) do
       else
         present[f] = true
         new[#new + 1] = f
-        new[#new + 1] = struct.pack(ENTRY_HEAD, r, g.gen, s0 + j) .. string.sub(cblob, j * 8 + 1, j * 8 + 8)
+        new[#new + 1] = struct.pack(ENTRY_HEAD, r, g.gen, s0 + j) .. string.sub(tblob, j * TAIL + 1, (j + 1) * TAIL)
         st = 1
         if not from then from = j end
       end
@@ -600,7 +609,8 @@ out[#out + 1] = #fresh
 for _, r in ipairs(fresh) do out[#out + 1] = r end
 for _, x in ipairs(ranges) do
   if x[3] > 0 then
-    out[#out + 1] = x[1]; out[#out + 1] = x[2]; out[#out + 1] = x[3]; out[#out + 1] = region(x[1]).pb
+    local g = region(x[1])
+    out[#out + 1] = x[1]; out[#out + 1] = x[2]; out[#out + 1] = x[3]; out[#out + 1] = g.pb; out[#out + 1] = g.gen
   end
 end
 return out
@@ -977,19 +987,18 @@ class Allocator:
         away: a file lost); the next COMMIT returns what each lease holds."""
         self._epoch += 1
 
-    def take(self, shard: int, page_bytes: int, n: int) -> list[tuple[int, int]]:
-        """Up to ``n`` slots (region, slot) of this size from this thread's stock, in
-        order (consecutive where the stock is). Fill the stock first (``commit_many`` with
-        a refill) if short."""
-        out: list[tuple[int, int]] = []
+    def take(self, shard: int, page_bytes: int, n: int) -> list[Slot]:
+        """Up to ``n`` slots of this size from this thread's stock, in order (consecutive
+        where the stock is). Fill the stock first (``commit_many`` with a refill) if short."""
+        out: list[Slot] = []
         stock = self._stock(shard)
         kept: list[Range] = []
         for rg in stock:
             if rg.page_bytes == page_bytes and len(out) < n:
                 k = min(n - len(out), rg.slots)
-                out.extend((rg.region, rg.start + j) for j in range(k))
+                out.extend(Slot(rg.region, rg.start + j, rg.gen) for j in range(k))
                 if k < rg.slots:
-                    kept.append(Range(rg.region, rg.start + k, rg.slots - k, rg.page_bytes))
+                    kept.append(rg._replace(start=rg.start + k, slots=rg.slots - k))
             else:
                 kept.append(rg)
         stock[:] = kept
@@ -1000,11 +1009,11 @@ class Allocator:
 
     def commit_many(
         self,
-        calls: Sequence[tuple[int, Sequence[tuple[int, int, bytes, bytes]], Sequence[tuple[int, int]], Sequence[tuple[int, int, bool]]]],
+        calls: Sequence[tuple[int, Sequence[tuple[Slot, bytes, bytes]], Sequence[tuple[int, int]], Sequence[tuple[int, int, bool]]]],
     ) -> list[CommitResult]:
         """One COMMIT per (shard, commits, give-ups, refills), in one round trip.
 
-        commits: (region, slot, entry field, checksum as 8 bytes); give-ups: (region,
+        commits: (slot, entry field, entry tail: checksum and tag); give-ups: (region,
         slot) written in vain; refills: (page bytes, slots wanted in stock, whether they
         are needed now: only then may a refill evict pages). Statuses come
         back in the order of ``commits``; consecutive slots of a region travel (and are
@@ -1054,13 +1063,15 @@ class Allocator:
         """After a COMMIT whose outcome is unknown: start over from what the lease holds."""
         self._stock(shard).clear()
 
-    def _commit_args(self, lease: str, commits: Sequence[tuple[int, int, bytes, bytes]], give_up: Sequence[tuple[int, int]],
+    def _commit_args(self, lease: str, commits: Sequence[tuple[Slot, bytes, bytes]], give_up: Sequence[tuple[int, int]],
                      refill: Sequence[tuple[int, int, bool]], release: int) -> list[Any]:
         now = self.clock()
-        runs = _runs([(r, sl) for r, sl, _, _ in commits])
+        runs = _runs([(c[0].region, c[0].slot) for c in commits])
         args: list[Any] = [self.geometry.store_id, lease, repr(now), repr(now + self.lease_s), self.dirs, release, len(runs)]
         for a, b in runs:
-            args += [commits[a][0], commits[a][1], b - a, b"".join(c[2] for c in commits[a:b]), b"".join(c[3] for c in commits[a:b])]
+            first = commits[a][0]
+            args += [first.region, first.gen, first.slot, b - a, b"".join(c[1] for c in commits[a:b]),
+                     b"".join(c[2] for c in commits[a:b])]
         gruns = _runs(give_up)
         args.append(len(gruns))
         for a, b in gruns:
@@ -1186,7 +1197,7 @@ def _commit_result(out: Sequence[Any]) -> CommitResult:
     nfresh = int(out[k])
     fresh = [int(x) for x in out[k + 1 : k + 1 + nfresh]]
     rest = [int(x) for x in out[k + 1 + nfresh :]]
-    stock = [Range(*rest[j : j + 4]) for j in range(0, len(rest), 4)]
+    stock = [Range(*rest[j : j + 5]) for j in range(0, len(rest), 5)]
     return CommitResult(status, stock, fresh, bool(flags & 1), bool(flags & 4), evicted, pages, cap)
 
 

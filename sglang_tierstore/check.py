@@ -9,7 +9,8 @@ points back at it), or dead (none of those; reclaimed with the region). Every re
 is in exactly one state, matching the one set that holds it: in use (``lru``), free
 (``free``), draining (``drain``: leaving, waiting for leased slots), or a hole
 (``holes``, or ``punch`` while its space is still to be punched out). Checked in
-both directions: region -> members -> entries, and entry -> region -> member. The shard's counters must match the sets, allocation (less draining regions) must
+both directions: region -> members -> entries, and entry -> region -> member; every
+entry's tag must be valid for its field (:mod:`sglang_tierstore.mac`). The shard's counters must match the sets, allocation (less draining regions) must
 be within capacity, every ready page file in our directories must be the file the index names,
 and no page file may sit in them that the index does not know. With
 ``verify_pages`` every committed page is read and its checksum compared.
@@ -203,6 +204,8 @@ def _entries(store: "TierStore", a: "_Attached", shard: int, chunk: int, ns_page
         for k, f in enumerate(fields):
             value, rec, member = snap[3 * k : 3 * k + 3]
             why = _entry_problem(g, f, value, rec, member, ns_pages)
+            if why is None and value and not a.tags.valid(f, value):
+                why = "its tag is not valid for it (forged or moved in the index, or the store's entry key changed)"
             if why is None and verify_pages and value:
                 why = _verify_page(store, a, shard, f, value, ns_pages[f[:8]])
             if why:

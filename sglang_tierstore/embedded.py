@@ -12,6 +12,10 @@ the store directory, or ``/tmp/tierstore-<uid>/`` when that path is too long for
 socket), the process listening must run as this user (``SO_PEERCRED``), and it
 requires a password kept in a 0600 file beside its AOF. Anything else is an error,
 never a join. Its files (AOF, log, pid, config) are created under a 077 umask.
+
+A server of ours that takes no password at all was started by a build before
+passwords: it is stopped (its AOF synced) and started again with the password, so an
+upgraded node keeps its index. One that wants another password is an error.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from urllib.parse import quote
 import xxhash
 
 from sglang_tierstore.errors import EmbeddedRedisError
+from sglang_tierstore.index import password_state, shutdown_unprotected
 from sglang_tierstore.private import (
     PRIVATE,
     Modes,
@@ -72,6 +77,27 @@ def _ours(sock: str) -> bool:
     return True
 
 
+def _takes(sock: str, password: str, d: str, timeout_s: float) -> bool:
+    """Whether our server on ``sock`` takes the store's password; False for one of an
+    earlier build that has none (see the module docstring); an error for anything else."""
+    state = password_state(f"unix://{sock}", password, timeout_s)
+    if state == "refused":
+        raise EmbeddedRedisError(f"tierstore: the embedded Redis on {sock} refuses the password in {d}/secret; "
+                                 f"stop it (its pid is in {d}/redis.pid) to restart it")
+    return state != "unset"
+
+
+def _stop_unprotected(sock: str, timeout_s: float) -> None:
+    """Stop our server that has no password, and wait until it no longer listens."""
+    shutdown_unprotected(f"unix://{sock}", timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while _ours(sock):
+        if time.monotonic() > deadline:
+            raise EmbeddedRedisError(f"tierstore: the embedded Redis on {sock} (started without a password by an "
+                                     f"earlier build) did not stop within {timeout_s}s")
+        time.sleep(0.05)
+
+
 def _url(sock: str, password: str) -> str:
     return f"unix://{sock}?password={quote(password)}"
 
@@ -88,7 +114,7 @@ def ensure_embedded_redis(path: str, m: Modes, redis_server: str = "redis-server
             os.mkdir(sock_dir, 0o700)
     check_owned_dir(sock_dir, m if sock_dir == d else PRIVATE)
     password = secret(os.path.join(d, "secret"), m)
-    if _ours(sock):
+    if _ours(sock) and _takes(sock, password, d, timeout_s):
         return _url(sock, password)
     binary = shutil.which(redis_server)
     if binary is None:
@@ -101,7 +127,9 @@ def ensure_embedded_redis(path: str, m: Modes, redis_server: str = "redis-server
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_EX)
         if _ours(sock):
-            return _url(sock, password)
+            if _takes(sock, password, d, timeout_s):
+                return _url(sock, password)
+            _stop_unprotected(sock, timeout_s)
         if os.path.lexists(sock):
             os.unlink(sock)  # left by a redis-server that died
         conf = os.path.join(d, "redis.conf")

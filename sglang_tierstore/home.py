@@ -2,7 +2,8 @@
 
 A store is ``(redis_prefix, store id)``. The id is written into a marker in each of
 its directories (``<dir>/tierstore-<prefix>/store.json``, with that directory's own
-id) and names every key of the store in the index. So:
+id) and names every key of the store in the index. Each store directory also holds
+the store's entry key (:mod:`sglang_tierstore.mac`). So:
 
 - stores with different prefixes on one path use different subdirectories;
 - two nodes sharing one Redis and one prefix, each with its own local path, get two
@@ -48,6 +49,7 @@ from sglang_tierstore.allocator import (
 )
 from sglang_tierstore.errors import ConfigError
 from sglang_tierstore.index import RedisIndex
+from sglang_tierstore.mac import load_key
 from sglang_tierstore.private import PRIVATE, Modes, create_file, own_dir
 from sglang_tierstore.schema import FORMAT, glob_escape, meta_key, shard_keys, store_tag
 
@@ -80,6 +82,7 @@ class Attachment:
     geometry: Geometry
     dirs: dict[str, str]  # directory id -> the store's page directory in it
     tag: str
+    entry_key: bytes  # the store's key for entry tags (:mod:`sglang_tierstore.mac`)
 
 
 @contextmanager
@@ -224,8 +227,9 @@ def attach(index: RedisIndex, prefix: str, paths: Sequence[str], capacity: int, 
             for other in os.listdir(prefix_dir(p, prefix)):  # pages of stores dropped meanwhile
                 if other != store_id and re.match(r"^[0-9a-f]{16}$", other):
                     shutil.rmtree(os.path.join(prefix_dir(p, prefix), other), ignore_errors=True)
+        entry_key = load_key(list(dirs.values()), access)
         report_dirs(index, tag, dirs, now)
-    return Attachment(prefix, geometry, dirs, tag)
+    return Attachment(prefix, geometry, dirs, tag, entry_key)
 
 
 def set_capacity(index: RedisIndex, tag: str, geometry: Geometry, capacity: int) -> None:

@@ -28,6 +28,43 @@ T = TypeVar("T")
 _NOT_SERVING = ("LOADING", "BUSY", "MASTERDOWN", "OOM", "READONLY", "NOREPLICAS", "TRYAGAIN", "CLUSTERDOWN")
 
 
+def password_state(url: str, password: str, timeout_s: float) -> str:
+    """Whether the server at ``url`` guards itself with ``password``: ``ok``; ``unset``
+    when it answers without any (an embedded Redis that a build before passwords
+    started; such a server also accepts any AUTH, so AUTH alone proves nothing);
+    ``refused`` when it wants another; ``down`` when nothing answers. Start-up only."""
+
+    def ping(pw: Optional[str]) -> None:
+        r = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, password=pw)
+        try:
+            r.ping()
+        finally:
+            r.close()
+
+    try:
+        try:
+            ping(None)
+            return "unset"
+        except redis.AuthenticationError:  # NOAUTH: it wants a password
+            ping(password)
+            return "ok"
+    except redis.AuthenticationError:
+        return "refused"
+    except (redis.ConnectionError, redis.TimeoutError, OSError):
+        return "down"
+
+
+def shutdown_unprotected(url: str, timeout_s: float) -> None:
+    """Stop a server that takes no password (it syncs its AOF first, so nothing is lost)."""
+    r = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+    try:
+        r.shutdown(nosave=True)
+    except (redis.ConnectionError, redis.TimeoutError, OSError):
+        pass  # it closed the connection as it went
+    finally:
+        r.close()
+
+
 class RedisIndex:
     """One connection pool to the index's Redis (or Valkey), with a breaker."""
 

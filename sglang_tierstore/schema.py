@@ -36,15 +36,21 @@ from typing import NamedTuple, Sequence
 
 import xxhash
 
-FORMAT = 2  # bump when any record below changes; older stores are dropped at attach
+FORMAT = 3  # bump when any record below changes; older stores are dropped at attach
 
 FIELD_BYTES = 32  # namespace id (8 bytes) + key (24 bytes)
 KEY_BYTES = 24
 
-# An entry: where a committed page lives and the xxh3-64 of its bytes. Lua reads
-# only the head (it never needs the checksum, which a Lua double could not hold).
-ENTRY = struct.Struct("<IIIQ")  # region, region generation, slot, checksum
+# An entry: where a committed page lives, the xxh3-64 of its bytes and a tag over the
+# entry field and all of that under the store's key (:mod:`sglang_tierstore.mac`). Lua
+# reads only the head; the writer sends the rest (checksum and tag, a Lua double could
+# not hold the checksum) as one TAIL_BYTES string per page.
+ENTRY = struct.Struct("<IIIQ16s")  # region, region generation, slot, checksum, tag
+ENTRY_HEAD = struct.Struct("<III")
 ENTRY_HEAD_LUA = "<I4I4I4"
+TAG_BYTES = 16
+SIGNED_BYTES = ENTRY.size - TAG_BYTES  # what the tag covers, after the entry field
+TAIL_BYTES = ENTRY.size - ENTRY_HEAD.size
 
 # A region record. state: HOLE (not allocated: no disk space once punched), FREE
 # (allocated, empty), USED (holds or is receiving pages of one size), DRAINING (leaving
@@ -77,6 +83,7 @@ class Entry(NamedTuple):
     gen: int
     slot: int
     checksum: int
+    tag: bytes
 
 
 def round_up(n: int, to: int = ALIGN) -> int:
@@ -152,6 +159,6 @@ def lua_prelude() -> str:
     names = ", ".join(f"K_{n.upper()}" for n in SHARD_KEYS)
     return (
         f"local {names} = unpack(KEYS, 1, {len(SHARD_KEYS)})\n"
-        f"local ENTRY_HEAD, REGION_FMT, FIELD = '{ENTRY_HEAD_LUA}', '{REGION_LUA}', {FIELD_BYTES}\n"
+        f"local ENTRY_HEAD, REGION_FMT, FIELD, TAIL = '{ENTRY_HEAD_LUA}', '{REGION_LUA}', {FIELD_BYTES}, {TAIL_BYTES}\n"
         f"local HOLE, FREE, USED, DRAINING, ALIGN = {HOLE}, {FREE}, {USED}, {DRAINING}, {ALIGN}\n"
     )

@@ -6,8 +6,11 @@ SGLang and needs no torch (its tests run over plain byte buffers).
 - probe: one HMGET per shard, in one round trip.
 - read: the same HMGET, then the leading run of present pages is read straight into
   the caller's buffers, pages in adjacent slots coalesced into one ``preadv``, runs
-  spread over the I/O threads. A page is a hit only if its bytes hash to the
-  committed checksum (hashed by the caller's thread as runs arrive). A mismatch drops
+  spread over the I/O threads. A page is a hit only if its entry's tag is valid for
+  its key (:mod:`sglang_tierstore.mac`: an entry forged or moved in Redis is dropped
+  unread) and its bytes hash to the committed checksum (hashed by the caller's thread
+  as runs arrive). The probe does not check tags: a forged entry costs a miss at the
+  read, never a wrong page. A mismatch drops
   the entry (conditionally: only if it still holds what was read) once our file
   handle is shown to be the file the index names; any other failure (EMFILE, EIO, a
   bug...) is a miss that keeps the entry.
@@ -34,17 +37,19 @@ from typing import Callable, Mapping, Optional, Sequence
 import xxhash
 
 from sglang_tierstore import home
-from sglang_tierstore.allocator import EXISTS, STORED, Allocator, CommitResult, slots_per_region
+from sglang_tierstore.allocator import EXISTS, STORED, Allocator, CommitResult, Slot, slots_per_region
 from sglang_tierstore.check import check as check_store
 from sglang_tierstore.config import TierStoreConfig
 from sglang_tierstore.errors import FileGone, IndexUnavailable, PageIOError, StoreDetached, TierStoreError
 from sglang_tierstore.index import RedisIndex
+from sglang_tierstore.mac import EntryTags
 from sglang_tierstore.io_engine import IOEngine
 from sglang_tierstore.metrics import Metrics, RateLimitedLog
 from sglang_tierstore.pagefile import FileRecord, PageFiles, checksum
 from sglang_tierstore.private import modes, redis_password
 from sglang_tierstore.schema import (
     ENTRY,
+    ENTRY_HEAD,
     USED,
     Entry,
     entry_field,
@@ -95,6 +100,7 @@ class _Attached:
     att: home.Attachment
     alloc: Allocator
     files: PageFiles
+    tags: EntryTags
     records: dict[int, FileRecord] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -143,7 +149,7 @@ class TierStore:
                 alloc = Allocator(self.index, att.tag, att.geometry, list(att.dirs), cfg.lease_s, self._token, self.clock)
                 files = PageFiles(cfg.redis_prefix, att.geometry, att.dirs, self.record, cfg.o_direct,
                                   cfg.fsync == "commit", self.modes)
-                self._att = _Attached(att, alloc, files)
+                self._att = _Attached(att, alloc, files, EntryTags(att.entry_key))
                 for ns in list(self._namespaces.values()):
                     self._register_ns(ns)
             return self._att
@@ -271,6 +277,12 @@ class TierStore:
                 bad.append((fields[i], raw))  # not an entry this store can have written
                 self.metrics.error("corrupt")
                 continue
+            if not a.tags.valid(fields[i], raw):
+                bad.append((fields[i], raw))
+                self.metrics.error("forged")
+                self.log.warning("forged", "entry of page %s has a tag this store did not make (written or moved in "
+                                 "the index by someone else, or the store's entry key changed): dropped", fields[i].hex())
+                continue
             entries[i] = e
             pages.append((i, g.file_of(e.region), g.slot_offset(e.region, e.slot, ns.page_bytes)))
         runs = self._runs(pages, ns.page_bytes, len(dests[0]) if dests else 1)
@@ -382,10 +394,10 @@ class TierStore:
         fields = entry_fields(ns.ns_id, keys)
         parts = _by_shard(fields, g.shards)
         self._fill_stock(a, pb, {s: len(idx) for s, idx in parts.items()})
-        slots: dict[int, tuple[int, int]] = {}
+        slots: dict[int, Slot] = {}
         for s, idx in parts.items():
             slots.update(zip(idx, alloc.take(s, pb, len(idx))))
-        pages = [(i, g.file_of(r), g.slot_offset(r, sl, pb)) for i, (r, sl) in slots.items()]
+        pages = [(i, g.file_of(r), g.slot_offset(r, sl, pb)) for i, (r, sl, _) in slots.items()]
         runs = self._runs(pages, pb, len(srcs[0]))
 
         def write_run(run: list[_Page]) -> None:
@@ -393,7 +405,7 @@ class TierStore:
             a.files.write(run[0][1], run[0][2], bufs, len(run) * pb, aligned)
 
         batch = self.io.submit(write_run, runs, max(1, len(pages) // max(1, len(runs))) * pb)
-        sums = {i: checksum(srcs[i]).to_bytes(8, "little") for i in slots}  # while the pages are being written
+        tails = {i: self._tail(a, fields[i], slots[i], checksum(srcs[i])) for i in slots}  # while the pages are being written
         failed: set[int] = set()
         touched: set[int] = set()
         for run, o in zip(runs, batch.results()):
@@ -410,11 +422,11 @@ class TierStore:
             except PageIOError as e:
                 self._io_failure(a, "io_write", file_no, e)
                 failed.update(p[0] for run in runs if run[0][1] == file_no for p in run)
-        calls: list[tuple[int, list[int], list[tuple[int, int, bytes, bytes]], list[tuple[int, int]], list[tuple[int, int, bool]]]] = []
+        calls: list[tuple[int, list[int], list[tuple[Slot, bytes, bytes]], list[tuple[int, int]], list[tuple[int, int, bool]]]] = []
         for s, idx in parts.items():
             done = sorted((i for i in idx if i in slots and i not in failed), key=slots.__getitem__)  # runs of slots
-            commits = [(*slots[i], fields[i], sums[i]) for i in done]
-            give_up = sorted(slots[i] for i in idx if i in failed)
+            commits = [(slots[i], fields[i], tails[i]) for i in done]
+            give_up = sorted((slots[i].region, slots[i].slot) for i in idx if i in failed)
             calls.append((s, done, commits, give_up, [(pb, self._stock_target(a, s, pb, len(idx)), False)]))
         try:
             outs = alloc.commit_many([(s, c, gu, rf) for s, _, c, gu, rf in calls])
@@ -438,6 +450,12 @@ class TierStore:
             self.log.warning("full", "no slot for %d page(s) of %d bytes (every region pinned by writers, or pages larger "
                              "than the store's %d-byte regions)", full, pb, g.region_bytes)
         return results
+
+    @staticmethod
+    def _tail(a: _Attached, field: bytes, slot: Slot, crc: int) -> bytes:
+        """An entry after its head, as the writer sends it: checksum and tag."""
+        signed = ENTRY_HEAD.pack(slot.region, slot.gen, slot.slot) + crc.to_bytes(8, "little")
+        return signed[ENTRY_HEAD.size :] + a.tags.tag(field, signed)
 
     def _fill_stock(self, a: _Attached, page_bytes: int, need: Mapping[int, int]) -> None:
         """Make this thread's stock hold ``need[shard]`` slots of this size where it can

@@ -128,7 +128,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         a = proc.attached()
         proc._fill_stock(a, ns.page_bytes, {s: count for s in range(a.att.geometry.shards)})
         for s in range(a.att.geometry.shards):
-            for r, slot in a.alloc.take(s, ns.page_bytes, count):
+            for r, slot, _ in a.alloc.take(s, ns.page_bytes, count):
                 if write:
                     g = a.att.geometry
                     junk = bytearray(b"\xee" * ns.page_bytes)

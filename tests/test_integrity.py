@@ -135,7 +135,7 @@ def test_uncommitted_write_is_invisible_and_its_slots_reclaimed(extra: dict[str,
         dying.store._fill_stock(a, ns.page_bytes, {0: 2})
         slots = a.alloc.take(0, ns.page_bytes, 2)
         g = a.att.geometry
-        for (r, sl), page in zip(slots, (0, 1)):
+        for (r, sl, _), page in zip(slots, (0, 1)):
             a.files.write(g.file_of(r), g.slot_offset(r, sl, ns.page_bytes), dying._pool("kv").plan.regions(page * 4),
                           ns.page_bytes, False)
         dying.housekeeper.stop()

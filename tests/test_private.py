@@ -20,12 +20,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from conftest import RedisProc
 from pools import fill, keys, mha_pool, page_indices, storage_config
 
 from sglang_tierstore import ConfigError, EmbeddedRedisError, TierStoreBackend
 from sglang_tierstore.config import TierStoreConfig, redact_url
-from sglang_tierstore.embedded import pid_file, redis_dir, socket_path
+from sglang_tierstore.embedded import ensure_embedded_redis, pid_file, redis_dir, socket_path
+from sglang_tierstore.private import PRIVATE
 
 NOBODY = 65534
 as_root = pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as a second user")
@@ -141,6 +143,39 @@ def test_the_embedded_redis_requires_its_password(tmp_path: Path) -> None:
                 time.sleep(0.2)
                 assert s.recv(64) == b"+OK\r\n+PONG\r\n"
             assert secret not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
+    finally:
+        stop_embedded(root)
+
+
+def test_an_embedded_redis_of_a_build_before_passwords_is_restarted_with_its_index(tmp_path: Path) -> None:
+    """An upgraded node: the embedded Redis an earlier build started (no password) still
+    runs. The new build stops it (AOF synced) and starts it with the password; the data stays."""
+    root = tmp_path / "store"
+    d = Path(redis_dir(str(root)))
+    d.mkdir(parents=True, mode=0o700)
+    sock = socket_path(str(root))
+    subprocess.run(["redis-server", "--port", "0", "--unixsocket", sock, "--unixsocketperm", "700", "--dir", str(d),
+                    "--appendonly", "yes", "--save", "", "--daemonize", "yes", "--pidfile", pid_file(str(root))], check=True)
+    try:
+        old = redis.Redis(unix_socket_path=sock)
+        for _ in range(100):
+            with contextlib.suppress(redis.ConnectionError):
+                old.set("kept", "yes")
+                break
+            time.sleep(0.05)
+        old_pid = int(old.info("server")["process_id"])
+        old.close()
+        url = ensure_embedded_redis(str(root), PRIVATE)
+        new = redis.Redis.from_url(url)
+        assert new.get("kept") == b"yes" and int(new.info("server")["process_id"]) != old_pid
+        new.close()
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(unix_socket_path=sock).ping()
+        other = "ab" * 32
+        (d / "secret").write_text(other)  # the server now wants a password this store does not hold
+        with pytest.raises(EmbeddedRedisError, match="refuses the password") as e:
+            ensure_embedded_redis(str(root), PRIVATE)
+        assert other not in str(e.value)
     finally:
         stop_embedded(root)
 

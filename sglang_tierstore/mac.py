@@ -1,0 +1,92 @@
+"""Entry tags: whoever can write to the index still cannot choose which page a key reads.
+
+An entry names the slot a key's page lives in and the checksum of its bytes. With the
+checksum alone, anyone who can write to Redis could copy key A's entry into key B's
+field: B would then be served A's page, which hashes right. So every entry also
+carries a tag, keyed BLAKE2b-128 over (entry field = namespace id + key, region,
+region generation, slot, checksum), under a per-store key that lives in a file beside
+the page files (mode 0600, or 0640 with ``file_access: group``) and never in Redis.
+Someone who can write to the index but cannot read the page directory cannot make a
+valid tag: a forged or moved entry reads as a miss and is dropped. A replayed old
+entry carries a valid tag, but it names a slot that either still holds the bytes
+written for that key or now holds others (a miss: the checksum).
+
+16-byte tags: a forger's only oracle is whether a read drops the entry, one guess per
+read, so 2^-128 per guess is far beyond reach. The key is per store: a dropped and
+re-created store starts with a new key, so entries of the old one never verify.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import os
+import secrets
+from typing import Sequence
+
+from sglang_tierstore.errors import ConfigError
+from sglang_tierstore.private import Modes, create_file
+from sglang_tierstore.schema import SIGNED_BYTES, TAG_BYTES
+
+KEY_FILE = "entry.key"
+KEY_BYTES = 32
+
+
+class EntryTags:
+    """Makes and checks entry tags under one store's key."""
+
+    def __init__(self, key: bytes) -> None:
+        self._h = hashlib.blake2b(key=key, digest_size=TAG_BYTES)  # keyed once; copied per tag
+
+    def tag(self, field: bytes, signed: bytes) -> bytes:
+        """The tag of an entry: ``signed`` is its value up to the tag (``SIGNED_BYTES``)."""
+        h = self._h.copy()
+        h.update(field)
+        h.update(signed)
+        return h.digest()
+
+    def valid(self, field: bytes, value: bytes) -> bool:
+        return hmac.compare_digest(self.tag(field, value[:SIGNED_BYTES]), value[SIGNED_BYTES:])
+
+
+def load_key(store_dirs: Sequence[str], m: Modes) -> bytes:
+    """The store's key, from its directories; made if none has one, and written into each
+    directory that lacks it (two directories holding different keys is an error: the
+    files were tampered with or mixed up). Runs under attach's lock on every directory."""
+    found: dict[str, bytes] = {}
+    for d in store_dirs:
+        path = os.path.join(d, KEY_FILE)
+        try:
+            with open(path, "rb") as f:
+                key = f.read()
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            raise ConfigError(f"tierstore config key 'path': cannot read the store's entry key {path} ({e.strerror})") from None
+        if len(key) != KEY_BYTES:
+            raise ConfigError(f"tierstore config key 'path': {path} is not an entry key ({len(key)} bytes, expected {KEY_BYTES})")
+        os.chmod(path, m.file)
+        found[path] = key
+    if len(set(found.values())) > 1:
+        raise ConfigError(f"tierstore config key 'path': the store's directories hold different entry keys "
+                          f"({', '.join(sorted(found))}); remove the wrong one(s) (their pages then read as misses)")
+    key = next(iter(found.values())) if found else secrets.token_bytes(KEY_BYTES)
+    for d in store_dirs:
+        if os.path.join(d, KEY_FILE) not in found:
+            _write_key(d, key, m)
+    return key
+
+
+def _write_key(d: str, key: bytes, m: Modes) -> None:
+    """Whole or absent: written to a temporary name, synced, then renamed into place."""
+    tmp = os.path.join(d, f".{KEY_FILE}.{os.getpid()}")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)  # left by a crashed process with our pid
+    fd = create_file(tmp, m)
+    try:
+        os.write(fd, key)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, os.path.join(d, KEY_FILE))
