@@ -30,7 +30,8 @@ and ``check()`` must find nothing. Counts come from per-worker report files rewr
 every second: what a killed worker did since its last report is lost (at most a second
 of its counts; wrong pages are reported at once). The exit status is non-zero on a wrong
 page, an exception other than ``IndexUnavailable`` out of a store call, a worker that
-died by itself or hung, a problem ``check()`` found or a lease left after expiry.
+died by itself or hung, an entry of the store's own failing its tag, a problem
+``check()`` found or a lease left after expiry.
 """
 
 from __future__ import annotations
@@ -631,6 +632,7 @@ def summarize(run: Run, final: dict[str, Any], seconds: float) -> dict[str, Any]
         "redis_not_recovered": run.faults["redis_not_recovered"],
         "check_problems": len(final["check_problems"]),
         "leases_left": final["leases_left"],
+        "forged_entries": metrics["error_forged"],  # our own entries failing their tag: a bug, even as a miss
     }
     return {
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
@@ -687,6 +689,7 @@ def table(s: dict[str, Any]) -> str:
         ("unexpected exceptions", str(fail["unexpected_errors"])),
         ("workers crashed / hung", f"{fail['worker_crashes']} / {fail['worker_hung']}"),
         ("leases left after expiry", str(fail["leases_left"])),
+        ("entries failing their tag", str(fail["forged_entries"])),
         ("check() problems", str(fail["check_problems"])),
         ("result", "OK" if s["ok"] else "FAILED"),
     ]
