@@ -2,8 +2,8 @@
 """Stress: processes x threads of random set / get / exists / delete / clear on one store, with faults.
 
     python3 scripts/stress.py --procs 3 --threads 2 --seconds 600 --seed 1 \
-        --json scripts/results/stress/stress.json | tee scripts/results/stress/stress.txt
-        (the committed run; faults on at their default rates)
+        --json scripts/results/stress/stress.json > scripts/results/stress/stress.txt
+        (the committed run, about 11 minutes; faults on at their default rates)
 
 Every page's bytes are derived from its key and page size (``page_for``), so every hit is
 compared byte for byte with what any writer wrote for that key: a hit that differs is a
