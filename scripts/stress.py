@@ -289,16 +289,16 @@ def run_worker(job: Job, busy: Any) -> None:
     for th in threads:
         th.start()
 
-    def report(final: bool) -> None:
-        write_report(job.report, {**tally.snapshot(), "metrics": store.metrics.snapshot(), "final": final})
+    def report() -> None:
+        write_report(job.report, {**tally.snapshot(), "metrics": store.metrics.snapshot()})
 
     while any(th.is_alive() for th in threads):
-        report(False)
+        report()
         tally.urgent.wait(REPORT_S)
         tally.urgent.clear()
     hk.stop()
     store.close()
-    report(True)
+    report()
 
 
 # -- faults -------------------------------------------------------------------------
