@@ -36,7 +36,7 @@ from sglang_tierstore.embedded import ensure_embedded_redis
 from sglang_tierstore.errors import IndexUnavailable, StoreDetached, TierStoreError
 from sglang_tierstore.eviction import Housekeeper
 from sglang_tierstore.hostmem import PagePlan, tensor_bytes
-from sglang_tierstore.private import check_dirs, modes, redis_password, remove_created
+from sglang_tierstore.private import check_dirs, modes, redis_password, redis_tls, remove_created
 from sglang_tierstore.store import Namespace, TierStore
 
 logger = logging.getLogger(__name__)
@@ -106,7 +106,9 @@ class TierStoreBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
         self.cfg = TierStoreConfig.from_dict(storage_config.extra_config)
         self.storage_config = storage_config
         self.modes = modes(self.cfg.file_access)
-        redis_password(self.cfg.redis_password_env, self.cfg.redis_password_file)  # named errors, before anything starts
+        # Named errors, before anything starts:
+        redis_password(self.cfg.redis_password_env, self.cfg.redis_password_file)
+        redis_tls(self.cfg.redis_tls_ca_file, self.cfg.redis_tls_cert_file, self.cfg.redis_tls_key_file)
         created = check_dirs(self.cfg.path, self.modes)
         embedded = self.cfg.redis_url is None
         try:

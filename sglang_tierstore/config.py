@@ -182,8 +182,25 @@ SETTINGS: dict[str, Setting] = {
     "redis_server": Setting("redis-server", _str, "redis-server binary for the embedded Redis."),
     "redis_password_env": Setting(None, _optional_str, "Name of an environment variable holding the password of `redis_url`'s Redis (kept out of the URL and the config)."),
     "redis_password_file": Setting(None, _optional_str, "A file holding the password of `redis_url`'s Redis; it must be owned by this user and not readable by others."),
+    "redis_tls_ca_file": Setting(None, _optional_str, "PEM file of the CA that signed the certificate of a `rediss://` index (unset: the system's CAs)."),
+    "redis_tls_cert_file": Setting(None, _optional_str, "PEM file of this client's certificate, for a `rediss://` index that authenticates clients (`tls-auth-clients yes`); with `redis_tls_key_file`."),
+    "redis_tls_key_file": Setting(None, _optional_str, "PEM file of the (unencrypted) private key of `redis_tls_cert_file`; it must be owned by this user and not readable by others."),
     "file_access": Setting("private", _choice("private", "group"), "`private`: directories 0700 and files 0600 (page files, markers, the embedded Redis's files), whatever the umask; `group`: 0750 and 0640, for an operator's tools running as another user of the group."),
 }
+
+
+TLS_KEYS = ("redis_tls_ca_file", "redis_tls_cert_file", "redis_tls_key_file")
+
+
+def _check_tls_url(values: Mapping[str, Any]) -> None:
+    """TLS files are for a ``rediss://`` index: with any other URL (or the embedded Redis)
+    they would be ignored, and the index reached in the clear."""
+    given = [k for k in TLS_KEYS if values.get(k) is not None]
+    url = values.get("redis_url")
+    if given and (url is None or urlsplit(url).scheme != "rediss"):
+        shown = redact_url(url) if url else "unset (the embedded Redis)"
+        raise ConfigError(f"tierstore config key{'s' * (len(given) > 1)} {', '.join(map(repr, given))}: "
+                          f"needs a rediss:// redis_url, got {shown}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,6 +225,9 @@ class TierStoreConfig:
     redis_server: str = SETTINGS["redis_server"].default
     redis_password_env: Optional[str] = SETTINGS["redis_password_env"].default
     redis_password_file: Optional[str] = SETTINGS["redis_password_file"].default
+    redis_tls_ca_file: Optional[str] = SETTINGS["redis_tls_ca_file"].default
+    redis_tls_cert_file: Optional[str] = SETTINGS["redis_tls_cert_file"].default
+    redis_tls_key_file: Optional[str] = SETTINGS["redis_tls_key_file"].default
     file_access: str = SETTINGS["file_access"].default
 
     @property
@@ -242,6 +262,7 @@ class TierStoreConfig:
                 values[name] = setting.check(extra[name])
             except ValueError as e:
                 raise ConfigError(f"tierstore config key {name!r}: {e}") from None
+        _check_tls_url(values)
         return cls(**values)
 
 

@@ -8,6 +8,10 @@ on timeouts again. A script that finds its store gone raises :class:`StoreDetach
 
 Scripts are registered once and called by EVALSHA, reloaded on NOSCRIPT (a Redis
 restart or SCRIPT FLUSH). Several calls (one per shard) go out in one pipeline.
+
+A Redis shared with others can give tierstore an ACL user of its own that may touch only
+its keys with only the commands it sends (:func:`acl_rule`), and be reached over TLS
+(``rediss://`` with :class:`~sglang_tierstore.private.TlsFiles`).
 """
 
 from __future__ import annotations
@@ -22,8 +26,29 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from sglang_tierstore.errors import IndexUnavailable, StoreDetached, TierStoreError
+from sglang_tierstore.private import TlsFiles
+from sglang_tierstore.schema import key_globs
 
 T = TypeVar("T")
+
+# Every command tierstore sends, its scripts' included (Redis checks the commands a script
+# calls against its caller's ACL too). INFO is left out: only ``memory_used`` sends it, for
+# scripts/index_memory.py against an embedded Redis.
+ACL_COMMANDS = (
+    "evalsha", "script|load", "multi", "exec", "exists", "unlink", "scan",
+    "hexists", "hget", "hmget", "hgetall", "hlen", "hscan", "hset", "hsetnx", "hincrby", "hdel",
+    "zadd", "zcard", "zrange", "zrangebyscore", "zscore", "zrem",
+)
+
+
+def acl_rule(prefix: str) -> str:
+    """ACL rules for a Redis user that may do what a tierstore with ``redis_prefix`` needs
+    and nothing else: its keys (:func:`~sglang_tierstore.schema.key_globs`), no channels,
+    the commands in ``ACL_COMMANDS``. For ``ACL SETUSER <name> on >password <rules>``."""
+    keys = " ".join(f"~{g}" for g in key_globs(prefix))
+    commands = " ".join(f"+{c}" for c in ACL_COMMANDS)
+    return f"resetkeys {keys} resetchannels -@all {commands}"
+
 
 _NOT_SERVING = ("LOADING", "BUSY", "MASTERDOWN", "OOM", "READONLY", "NOREPLICAS", "TRYAGAIN", "CLUSTERDOWN")
 
@@ -75,6 +100,7 @@ class RedisIndex:
         retry_s: float,
         clock: Callable[[], float] = mod_time.time,
         password: Optional[str] = None,
+        tls: Optional[TlsFiles] = None,
     ) -> None:
         self.retry_s = retry_s
         self._clock = clock
@@ -89,6 +115,7 @@ class RedisIndex:
             retry=Retry(NoBackoff(), 1),
             retry_on_timeout=False,
             **({"password": password} if password is not None else {}),
+            **({"ssl_ca_certs": tls.ca_file, "ssl_certfile": tls.cert_file, "ssl_keyfile": tls.key_file} if tls else {}),
         )
         self._scripts: dict[str, tuple[str, str]] = {}  # name -> (sha1, text)
 
@@ -107,6 +134,9 @@ class RedisIndex:
         except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
             self._trip()
             raise IndexUnavailable(f"redis unavailable: {e}") from e
+        except redis.exceptions.NoPermissionError as e:
+            raise TierStoreError(f"redis refused this user ({e}); it needs the ACL rules of "
+                                 "sglang_tierstore.index.acl_rule(redis_prefix)") from e
         except redis.ResponseError as e:
             msg = str(e)
             if msg.startswith("TSSTALE"):

@@ -6,7 +6,8 @@ every file 0600 (or 0750/0640 with ``"file_access": "group"``, for an operator's
 as another user of the group), set explicitly rather than left to the umask. Directories in
 ``path`` are checked (created if missing, a probe file written, synced and removed) before an
 embedded Redis starts or a store is attached, and what the check created is removed again if
-it fails, so a failed start leaves nothing behind.
+it fails, so a failed start leaves nothing behind. The index's secrets (a password, a TLS
+client key) are read from files only their owner can read, and checked before anything starts.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ import os
 import secrets
 import shutil
 import socket
+import ssl
 import stat
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from sglang_tierstore.errors import ConfigError
@@ -155,20 +157,81 @@ def redis_password(env: str | None, path: str | None) -> str | None:
         return value
     if path is None:
         return None
-    try:
-        st = os.stat(path)
-        with open(path) as f:
-            value = f.read().strip()
-    except OSError as e:
-        raise ConfigError(f"tierstore config key 'redis_password_file': cannot read {path!r} ({e.strerror})") from None
-    if st.st_uid != os.getuid() or st.st_mode & 0o007:
-        raise ConfigError(
-            f"tierstore config key 'redis_password_file': {path!r} must be owned by uid {os.getuid()} and not "
-            f"readable by others (found uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o})"
-        )
+    value = _read_config_file("redis_password_file", path, owner_only=True).strip()
     if not value:
         raise ConfigError(f"tierstore config key 'redis_password_file': {path!r} is empty")
     return value
+
+
+@dataclass(frozen=True, slots=True)
+class TlsFiles:
+    """PEM files for a ``rediss://`` index (``redis_tls_*``): the CA that signed its
+    certificate (None: the system's CAs), and this client's certificate and key (None: none)."""
+
+    ca_file: str | None
+    cert_file: str | None
+    key_file: str | None
+
+
+def redis_tls(ca_file: str | None, cert_file: str | None, key_file: str | None) -> TlsFiles | None:
+    """The ``redis_tls_*`` files, checked before anything starts by loading them into a TLS
+    context as redis-py will at each connection: ConfigError naming the key if a file cannot
+    be read or does not hold what the key says, if only one of certificate and key is given,
+    or if the key file is readable by others or encrypted (OpenSSL would then ask for its
+    passphrase on the terminal at every connection)."""
+    if ca_file is None and cert_file is None and key_file is None:
+        return None
+    if (cert_file is None) != (key_file is None):
+        raise ConfigError("tierstore config keys 'redis_tls_cert_file' and 'redis_tls_key_file': set both or neither")
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    if ca_file is not None:
+        _read_config_file("redis_tls_ca_file", ca_file, owner_only=False)
+        try:
+            ctx.load_verify_locations(cafile=ca_file)
+        except ssl.SSLError as e:
+            raise ConfigError(
+                f"tierstore config key 'redis_tls_ca_file': {ca_file!r} holds no PEM certificate ({e.reason or e})"
+            ) from None
+    if cert_file is not None and key_file is not None:
+        _read_config_file("redis_tls_cert_file", cert_file, owner_only=False)
+        _read_config_file("redis_tls_key_file", key_file, owner_only=True)
+        try:
+            ctx.load_cert_chain(cert_file, key_file, password=_no_passphrase(key_file))
+        except ssl.SSLError as e:
+            raise ConfigError(
+                f"tierstore config keys 'redis_tls_cert_file' and 'redis_tls_key_file': {cert_file!r} and {key_file!r} "
+                f"are not a PEM certificate and its private key ({e.reason or e})"
+            ) from None
+    return TlsFiles(ca_file, cert_file, key_file)
+
+
+def _no_passphrase(key_file: str) -> Callable[[], str]:
+    """OpenSSL's passphrase callback for ``key_file``: only called for an encrypted key."""
+
+    def refuse() -> str:
+        raise ConfigError(f"tierstore config key 'redis_tls_key_file': {key_file!r} is encrypted; "
+                          "give an unencrypted key in a file only its owner can read")
+
+    return refuse
+
+
+def _read_config_file(key: str, path: str, owner_only: bool) -> str:
+    """The text of the file that config key ``key`` names: ConfigError naming both if it
+    cannot be read or, with ``owner_only``, if another user owns it or others can read it."""
+    try:
+        with open(path) as f:
+            st = os.fstat(f.fileno())
+            text = f.read()
+    except OSError as e:
+        raise ConfigError(f"tierstore config key {key!r}: cannot read {path!r} ({e.strerror or e})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"tierstore config key {key!r}: {path!r} is not a text file") from None
+    if owner_only and (st.st_uid != os.getuid() or st.st_mode & 0o007):
+        raise ConfigError(
+            f"tierstore config key {key!r}: {path!r} must be owned by uid {os.getuid()} and not "
+            f"readable by others (found uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o})"
+        )
+    return text
 
 
 def check_owned_dir(path: str, m: Modes = PRIVATE) -> None:

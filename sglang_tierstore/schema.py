@@ -140,6 +140,13 @@ def glob_escape(raw: bytes) -> bytes:
     return re.sub(rb"([\\*?\[\]])", rb"\\\1", raw)
 
 
+def key_globs(prefix: str) -> list[str]:
+    """Glob patterns of every key under ``prefix``: its stores' (``{<prefix>:<id>...}:...``)
+    and those of the layout before regions (``<prefix>:...``, looked for at start-up)."""
+    p = glob_escape(prefix.encode()).decode()
+    return [f"{{{p}:*", f"{p}:*"]
+
+
 def store_tag(prefix: str, store_id: str) -> str:
     return f"{prefix}:{store_id}"
 

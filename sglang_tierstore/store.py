@@ -46,7 +46,7 @@ from sglang_tierstore.mac import EntryTags
 from sglang_tierstore.io_engine import IOEngine
 from sglang_tierstore.metrics import Metrics, RateLimitedLog
 from sglang_tierstore.pagefile import FileRecord, PageFiles, checksum
-from sglang_tierstore.private import modes, redis_password
+from sglang_tierstore.private import modes, redis_password, redis_tls
 from sglang_tierstore.schema import (
     ENTRY,
     ENTRY_HEAD,
@@ -116,7 +116,8 @@ class TierStore:
         self.modes = modes(cfg.file_access)
         self.clock = clock
         password = redis_password(cfg.redis_password_env, cfg.redis_password_file) if cfg.redis_url else None
-        self.index = RedisIndex(redis_url, cfg.redis_timeout_s, cfg.redis_retry_s, clock, password)
+        tls = redis_tls(cfg.redis_tls_ca_file, cfg.redis_tls_cert_file, cfg.redis_tls_key_file)
+        self.index = RedisIndex(redis_url, cfg.redis_timeout_s, cfg.redis_retry_s, clock, password, tls)
         self.io = IOEngine(cfg.io_threads)
         self.metrics = Metrics()
         self.log = RateLimitedLog(logger, cfg.log_interval_s)
