@@ -133,6 +133,10 @@ class TierStore:
             self.attached()
         except IndexUnavailable as e:
             self.log.warning("attach", "index unavailable at start (%s): answering misses until it is back", e)
+        except BaseException:  # a store that cannot start holds no threads or connections
+            self.io.close()
+            self.index.close()
+            raise
 
     # -- attachment ----------------------------------------------------------------
 

@@ -14,6 +14,7 @@ import socket
 import stat
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -80,6 +81,21 @@ def test_a_bad_directory_stops_start_up_and_leaves_nothing_behind(tmp_path: Path
     assert not (tmp_path / "new").exists()  # what the check created is gone again
     assert sorted(os.listdir(tmp_path)) == ["a-file"]
     assert not os.path.exists(socket_path(str(new)))
+
+
+def test_a_store_that_cannot_attach_leaves_no_thread_connection_or_new_directory(tmp_path: Path, private_redis: RedisProc) -> None:
+    cfg = {"redis_url": private_redis.url, "redis_prefix": "attach-fails", "capacity_gb": 0.1}
+    for d in ("d1", "d2"):  # two stores of their own (two nodes' disks, say)
+        TierStoreBackend(storage_config({**cfg, "path": str(tmp_path / d)}), {}).close()
+    threads = {t.name for t in threading.enumerate()}
+    new = tmp_path / "new" / "d3"
+    with pytest.raises(ConfigError, match="different stores"):
+        TierStoreBackend(storage_config({**cfg, "path": [str(tmp_path / "d1"), str(tmp_path / "d2"), str(new)]}), {})
+    assert not (tmp_path / "new").exists()
+    assert {t.name for t in threading.enumerate()} == threads  # no I/O threads left running
+    clients = redis.Redis.from_url(private_redis.url)
+    assert int(clients.info("clients")["connected_clients"]) == 1  # this one: the failed store's are closed
+    clients.close()
 
 
 def test_an_uncreatable_directory_is_named(tmp_path: Path) -> None:
