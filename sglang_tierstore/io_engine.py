@@ -118,8 +118,9 @@ class Staging:
     Each thread has one buffer, grown to the largest read it has staged and kept for
     the thread's life (at most ``threads`` x the largest run of a batch). Only its
     own thread uses it, one read at a time, so a buffer whose read was given up is
-    not reused before that read has returned. Anonymous mmap memory is page-aligned,
-    so O_DIRECT reads into it work wherever they work into the caller's memory.
+    not reused before that read has returned. Private anonymous memory (not the shared
+    memory a plain ``mmap(-1, n)`` gives) is page-aligned, so O_DIRECT reads into it
+    work wherever they work into the caller's memory.
     """
 
     def __init__(self) -> None:
@@ -129,7 +130,8 @@ class Staging:
         """This thread's buffer, ``nbytes`` long."""
         mem: Optional[memoryview] = getattr(self._local, "mem", None)
         if mem is None or len(mem) < nbytes:
-            mem = memoryview(mmap.mmap(-1, max(nbytes, mmap.PAGESIZE)))
+            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+            mem = memoryview(mmap.mmap(-1, max(nbytes, mmap.PAGESIZE), flags=flags))
             self._local.mem = mem
         return mem[:nbytes]
 
