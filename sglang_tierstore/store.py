@@ -371,8 +371,8 @@ class TierStore:
         late = sum(map(len, runs)) - done
         if late:
             self.metrics.error("io_read_timeout", late)
-            self.log.warning("io_read_timeout", "the disk did not answer within read_timeout_s=%g s: %d page(s) given "
-                             "up as misses (kept)", timeout, late)
+            self.log.warning("io_read_timeout", "%d page(s) not read within read_timeout_s=%g s (a stalled disk, or "
+                             "I/O threads still stuck on one): misses, kept", late, timeout)
 
     def _file_current(self, a: _Attached, file_no: int) -> bool:
         """Is our handle on this file the file the index names? (If not, what we read
