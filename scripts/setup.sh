@@ -5,10 +5,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 
-if ! command -v redis-server >/dev/null 2>&1; then
+# redis-server for the index; libfuse2 for tests/test_stall.py's FUSE disk (libfuse2t64 from Debian 13 on)
+apt_need=()
+command -v redis-server >/dev/null 2>&1 || apt_need+=(redis-server)
+ldconfig -p | grep 'libfuse\.so\.2 ' >/dev/null || apt_need+=(libfuse2)  # grep -q would SIGPIPE ldconfig under pipefail
+if [ ${#apt_need[@]} -gt 0 ]; then
   SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
   $SUDO apt-get update -q >/dev/null
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q redis-server >/dev/null
+  if [[ " ${apt_need[*]} " == *" libfuse2 "* ]] && apt-cache show libfuse2t64 >/dev/null 2>&1; then
+    apt_need=("${apt_need[@]/#libfuse2/libfuse2t64}")
+  fi
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q "${apt_need[@]}" >/dev/null
 fi
 
 pip_install() { "$PY" -m pip install -q --disable-pip-version-check "$@" 2>&1 \

@@ -49,6 +49,12 @@ def _positive_number(v: Any) -> float:
     return float(v)
 
 
+def _non_negative_number(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise ValueError(f"expected a number >= 0, got {v!r}")
+    return float(v)
+
+
 def _positive_int(v: Any) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
         raise ValueError(f"expected a positive integer, got {v!r}")
@@ -173,6 +179,7 @@ SETTINGS: dict[str, Setting] = {
     "io_threads": Setting(8, _positive_int, "Threads issuing preadv/pwritev in parallel (queue depth)."),
     "o_direct": Setting(True, _bool, "Use O_DIRECT when buffers are 4 KiB aligned and the filesystem allows it; buffered I/O otherwise."),
     "fsync": Setting("none", _choice("none", "commit"), "`commit`: fdatasync page files before a write is published; `none`: rely on checksums after a crash."),
+    "read_timeout_s": Setting(0.0, _non_negative_number, "How long a batch read waits for the disk (s). `0`: until it answers, reading straight into host memory. Above 0: pages not read in time are misses (`tierstore_errors_total{kind=\"io_read_timeout\"}`), and reads are staged in the I/O threads' own memory and copied into host memory, so a read given up on never lands in memory SGLang has reused (the copy's cost: README, Performance). Writes always wait."),
     "redis_timeout_s": Setting(0.5, _positive_number, "Socket timeout of every Redis call: an upper bound on how long Redis trouble can stall a batch."),
     "redis_retry_s": Setting(1.0, _positive_number, "After a Redis failure, answer misses without trying Redis for this long, then try again."),
     "lease_s": Setting(60.0, _positive_number, "Slots leased to a writer that stops renewing them (it crashed or stalled) for this long are reclaimed."),
@@ -216,6 +223,7 @@ class TierStoreConfig:
     io_threads: int = SETTINGS["io_threads"].default
     o_direct: bool = SETTINGS["o_direct"].default
     fsync: str = SETTINGS["fsync"].default
+    read_timeout_s: float = SETTINGS["read_timeout_s"].default
     redis_timeout_s: float = SETTINGS["redis_timeout_s"].default
     redis_retry_s: float = SETTINGS["redis_retry_s"].default
     lease_s: float = SETTINGS["lease_s"].default

@@ -13,13 +13,25 @@ SGLang and needs no torch (its tests run over plain byte buffers).
   read, never a wrong page. A mismatch drops
   the entry (conditionally: only if it still holds what was read) once our file
   handle is shown to be the file the index names; any other failure (EMFILE, EIO, a
-  bug...) is a miss that keeps the entry.
+  bug...) is a miss that keeps the entry. With ``read_timeout_s`` the wait for the
+  disk is bounded: runs are read into the I/O threads' own staging memory and copied
+  into the caller's buffers while the caller still waits; runs not read in time are
+  misses (entries kept), and a preadv that returns after that lands in staging memory,
+  never in host memory SGLang may have reused (``_read_staged``).
 - write: slots come from this thread's stock (leased, consecutive for one batch);
   pages are written in coalesced runs while the caller's thread hashes them; then one
   COMMIT call per shard (one pipelined round trip) publishes them, gives up the slots
   that failed and refills the stock. Only a write that finds its stock short costs a
   second call first. A crash before COMMIT leaves leased slots, reclaimed when the
-  lease expires; nothing is visible.
+  lease expires; nothing is visible. A write has no deadline: on a disk that stops
+  answering it waits (a pwritev cannot be called back, and giving its slots back
+  while it may still land would let it overwrite a later page). Nothing is committed
+  before its pwritev returned, so no entry names a slot still being written. A stall
+  longer than ``lease_s`` while housekeeping cannot renew the lease (it may be stuck
+  on the same disk) expires the lease: its slots stay dead (never handed to another
+  writer), the batch's COMMIT stores nothing, and only once their region has been
+  reclaimed and refilled could the late pwritev overwrite another page, which then
+  fails its checksum: a miss, never a wrong byte.
 
 Index trouble raises :class:`IndexUnavailable`; per-page trouble is a miss or a
 failed write, counted and logged here.
@@ -32,7 +44,7 @@ import secrets
 import threading
 import time as mod_time
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 import xxhash
 
@@ -42,8 +54,8 @@ from sglang_tierstore.check import check as check_store
 from sglang_tierstore.config import TierStoreConfig
 from sglang_tierstore.errors import FileGone, IndexUnavailable, PageIOError, StoreDetached, TierStoreError
 from sglang_tierstore.index import RedisIndex
+from sglang_tierstore.io_engine import Gate, IOEngine
 from sglang_tierstore.mac import EntryTags
-from sglang_tierstore.io_engine import IOEngine
 from sglang_tierstore.metrics import Metrics, RateLimitedLog
 from sglang_tierstore.pagefile import FileRecord, PageFiles, checksum
 from sglang_tierstore.private import modes, redis_password, redis_tls
@@ -91,6 +103,20 @@ def _by_shard(fields: Sequence[bytes], shards: int) -> dict[int, list[int]]:
     for i, f in enumerate(fields):
         parts.setdefault(shard_of(f, shards), []).append(i)
     return parts
+
+
+def _scatter(buf: memoryview, dests: Sequence[Regions]) -> None:
+    """Copy adjacent pages from ``buf`` into each page's regions."""
+    off = 0
+    for regions in dests:
+        for m in regions:
+            m[:] = buf[off : off + len(m)]
+            off += len(m)
+
+
+def _run_bytes(runs: Sequence[Sequence[object]], page_bytes: int) -> int:
+    """Bytes an average run moves: what the I/O engine cuts a batch by."""
+    return max(1, sum(map(len, runs)) // max(1, len(runs))) * page_bytes
 
 
 @dataclass
@@ -291,12 +317,8 @@ class TierStore:
             entries[i] = e
             pages.append((i, g.file_of(e.region), g.slot_offset(e.region, e.slot, ns.page_bytes)))
         runs = self._runs(pages, ns.page_bytes, len(dests[0]) if dests else 1)
-
-        def read_run(run: list[_Page]) -> None:
-            bufs = [m for p in run for m in dests[p[0]]]
-            a.files.read(run[0][1], run[0][2], bufs, len(run) * ns.page_bytes, aligned)
-
-        for k, o in self.io.submit(read_run, runs, max(1, len(pages) // max(1, len(runs))) * ns.page_bytes).as_completed():
+        read_runs = self._read_staged if self.cfg.read_timeout_s else self._read_direct
+        for k, o in read_runs(a, runs, dests, ns.page_bytes, aligned):
             run = runs[k]
             if isinstance(o, BaseException):
                 self._io_failure(a, "io_read", run[0][1], o)
@@ -319,6 +341,55 @@ class TierStore:
             self._drop(a, bad)
         self.metrics.observe("read", mod_time.perf_counter() - t0)
         return results
+
+    def _read_direct(self, a: _Attached, runs: list[list[_Page]], dests: Sequence[Regions], page_bytes: int,
+                     aligned: bool) -> Iterator[tuple[int, object]]:
+        """(run position, outcome) of each run, read straight into ``dests``, as runs
+        arrive; waits for every run (``read_timeout_s`` 0)."""
+        def read_run(run: list[_Page]) -> None:
+            bufs = [m for p in run for m in dests[p[0]]]
+            a.files.read(run[0][1], run[0][2], bufs, len(run) * page_bytes, aligned)
+
+        return self.io.submit(read_run, runs, _run_bytes(runs, page_bytes)).as_completed()
+
+    def _read_staged(self, a: _Attached, runs: list[list[_Page]], dests: Sequence[Regions], page_bytes: int,
+                     aligned: bool) -> Iterator[tuple[int, object]]:
+        """Like :meth:`_read_direct`, but yields only runs done within ``read_timeout_s``.
+
+        A preadv cannot be cancelled, so runs are read into the I/O threads' staging
+        memory and copied into ``dests`` through a gate that this shuts before it
+        returns: runs not done by the deadline are not yielded (misses), those not
+        started never start, and a preadv that returns later fills staging memory
+        only, never ``dests`` (host memory SGLang may have reused by then).
+        """
+        timeout = self.cfg.read_timeout_s
+        gate = Gate()
+
+        def read_run(run: list[_Page]) -> None:
+            n = len(run) * page_bytes
+            buf = self.io.staging.buffer(n)
+            a.files.read(run[0][1], run[0][2], [buf], n, aligned)
+            if not gate.enter():
+                return  # given up: the bytes stay in this thread's staging buffer
+            try:
+                _scatter(buf, [dests[p[0]] for p in run])
+            finally:
+                gate.leave()
+
+        batch = self.io.submit(read_run, runs, _run_bytes(runs, page_bytes), inline=False)
+        done = 0
+        try:
+            for k, o in batch.as_completed(mod_time.monotonic() + timeout):
+                done += len(runs[k])
+                yield k, o
+        finally:
+            batch.cancel()
+            gate.close()
+        late = sum(map(len, runs)) - done
+        if late:
+            self.metrics.error("io_read_timeout", late)
+            self.log.warning("io_read_timeout", "%d page(s) not read within read_timeout_s=%g s (a stalled disk, or "
+                             "I/O threads still stuck on one): misses, kept", late, timeout)
 
     def _file_current(self, a: _Attached, file_no: int) -> bool:
         """Is our handle on this file the file the index names? (If not, what we read
@@ -409,7 +480,7 @@ class TierStore:
             bufs = [m for p in run for m in srcs[p[0]]]
             a.files.write(run[0][1], run[0][2], bufs, len(run) * pb, aligned)
 
-        batch = self.io.submit(write_run, runs, max(1, len(pages) // max(1, len(runs))) * pb)
+        batch = self.io.submit(write_run, runs, _run_bytes(runs, pb))
         tails = {i: self._tail(a, fields[i], slots[i], checksum(srcs[i])) for i in slots}  # while the pages are being written
         failed: set[int] = set()
         touched: set[int] = set()

@@ -33,6 +33,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         ({"file_size_mb": 4096}, "file_size_mb"),
         ({"redis_prefix": "a{b}"}, "redis_prefix"),
         ({"index_shards": 0}, "index_shards"),
+        ({"read_timeout_s": -0.5}, "read_timeout_s"),
+        ({"read_timeout_s": float("inf")}, "read_timeout_s"),
+        ({"read_timeout_s": "1s"}, "read_timeout_s"),
         ({"capcity_gb": 1}, "capcity_gb"),
     ],
 )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import mmap
 import subprocess
 import sys
 import uuid
@@ -15,6 +16,21 @@ from conftest import RedisProc, flip_byte, keys
 from engine_kit import MiB, engine, housekeep, pages, read, views
 
 from sglang_tierstore.errors import PageIOError
+from sglang_tierstore.schema import ALIGN
+
+
+def split_pages(src: list[bytearray], aligned: bool) -> list[list[memoryview]]:
+    """Copies of pages as two regions each (one if a page is a single aligned block), in
+    one page-aligned mapping when ``aligned``."""
+    size = len(src[0])
+    cut = size // 2 // ALIGN * ALIGN if aligned else size // 3
+    mem = memoryview(mmap.mmap(-1, len(src) * size)) if aligned else memoryview(bytearray(b"".join(src)))
+    out = []
+    for i, p in enumerate(src):
+        page = mem[i * size : (i + 1) * size]
+        page[:] = p
+        out.append([page[:cut], page[cut:]] if cut else [page])
+    return out
 
 
 @pytest.fixture
@@ -44,6 +60,26 @@ def test_round_trip_leading_run_and_gaps(cfg: dict[str, Any], page_bytes: int) -
         assert got[:3] == src[:3]
         ok, got = read(st, ns, with_gap[4:6])
         assert ok == [True, True] and got == src[4:6]
+        assert st.check() == []
+    finally:
+        st.close()
+
+
+@pytest.mark.parametrize("page_bytes,aligned", [(4096, True), (65536, True), (65536, False), (5000, False)])
+def test_staged_reads_give_the_same_bytes(cfg: dict[str, Any], page_bytes: int, aligned: bool) -> None:
+    """With read_timeout_s, reads go through the I/O threads' staging memory: the same
+    hits and bytes for coalesced runs and single slots, O_DIRECT and buffered, pages in
+    several regions (as host pools lay them out)."""
+    st = engine(cfg, read_timeout_s=30)
+    try:
+        ns = st.namespace({}, page_bytes)
+        ks = keys(12)
+        src = pages(12, page_bytes, 40)
+        assert st.write(ns, ks[:9] + ks[10:], split_pages(src[:9] + src[10:], aligned), aligned) == [True] * 11
+        dests = split_pages([bytearray(page_bytes) for _ in ks], aligned)
+        assert st.read(ns, ks, dests, aligned) == [True] * 9 + [False] * 3
+        assert [b"".join(bytes(r) for r in regions) for regions in dests[:9]] == src[:9]
+        assert "error_io_read_timeout" not in st.stats()
         assert st.check() == []
     finally:
         st.close()
@@ -114,8 +150,9 @@ def test_bad_buffers_are_clear_errors_and_lose_nothing(cfg: dict[str, Any]) -> N
         st.close()
 
 
-def test_a_checksum_mismatch_is_a_miss_and_drops_only_that_entry(cfg: dict[str, Any]) -> None:
-    st = engine(cfg, o_direct=False)
+@pytest.mark.parametrize("read_timeout_s", [0, 30], ids=["direct", "staged"])
+def test_a_checksum_mismatch_is_a_miss_and_drops_only_that_entry(cfg: dict[str, Any], read_timeout_s: float) -> None:
+    st = engine(cfg, o_direct=False, read_timeout_s=read_timeout_s)
     try:
         ns = st.namespace({}, 8192)
         ks = keys(4)
