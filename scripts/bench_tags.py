@@ -21,7 +21,6 @@ import hmac
 import json
 import os
 import shutil
-import signal
 import statistics
 import sys
 import tempfile
@@ -34,7 +33,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 from engine_kit import engine, pages, views  # noqa: E402
 
 from sglang_tierstore.allocator import Slot  # noqa: E402
-from sglang_tierstore.embedded import ensure_embedded_redis, pid_file  # noqa: E402
+from sglang_tierstore.embedded import ensure_embedded_redis, stop_embedded_redis  # noqa: E402
 from sglang_tierstore.private import PRIVATE  # noqa: E402
 from sglang_tierstore.schema import ENTRY_HEAD, entry_fields  # noqa: E402
 from sglang_tierstore.store import TierStore  # noqa: E402
@@ -106,7 +105,7 @@ def main() -> int:
     a = ap.parse_args()
     os.makedirs(a.dir, exist_ok=True)
     work = tempfile.mkdtemp(dir=a.dir)
-    url = ensure_embedded_redis(work, PRIVATE, "redis-server")
+    url = ensure_embedded_redis(work, PRIVATE, "redis-server").url
     st = engine({"path": work, "redis_url": url, "capacity_gb": 2.0, "io_threads": 8})
     rows = []
     try:
@@ -119,8 +118,7 @@ def main() -> int:
         ways = tag_functions(1024, a.reps)
     finally:
         st.close()
-        with open(pid_file(work)) as f:
-            os.kill(int(f.read()), signal.SIGTERM)
+        stop_embedded_redis(work)
         shutil.rmtree(work, ignore_errors=True)
     print(f"entry tags: median of {a.reps} batches each (make: tails of a write batch; check: entries of a read batch)")
     print(f"{'page':>8} {'pages':>6} {'make us':>8} {'write batch ms':>15} {'share':>6} {'check us':>9} {'read batch ms':>14} {'share':>6}")

@@ -111,11 +111,11 @@ class Workload:
 
 
 def store_config(path: str, redis_url: Optional[str], prefix: str, capacity: int, lease_s: float,
-                 retry_s: float) -> dict[str, Any]:
+                 retry_s: float, read_timeout_s: float = 0.0) -> dict[str, Any]:
     """The extra_config every process of one run uses."""
     return {"path": path, "redis_url": redis_url, "redis_prefix": prefix, "capacity_gb": capacity / (1 << 30),
             "io_threads": 2, "lease_s": lease_s, "redis_timeout_s": 0.5, "redis_retry_s": retry_s,
-            "log_interval_s": 30.0}
+            "read_timeout_s": read_timeout_s, "log_interval_s": 30.0}
 
 
 def namespaces(store: TierStore, sizes: Sequence[int]) -> dict[int, Namespace]:
@@ -309,7 +309,7 @@ class EmbeddedRedis:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.url = ensure_embedded_redis(path, modes("private"))
+        self.url = ensure_embedded_redis(path, modes("private")).url
 
     def pid(self) -> int:
         with open(pid_file(self.path)) as f:
@@ -384,7 +384,7 @@ class Run:
         self.url: str = self.redis.url if self.redis else a.redis_url
         self.workload = Workload.make(a.page_sizes, self.capacity, a.key_factor, a.max_batch, a.mix)
         self.cfg = store_config(os.path.join(self.dir, "store"), a.redis_url, "stress-" + os.urandom(4).hex(),
-                                self.capacity, a.lease_s, a.redis_retry_s)
+                                self.capacity, a.lease_s, a.redis_retry_s, a.read_timeout_s)
         self.ctx = mp.get_context("forkserver")
         self.workers: dict[int, Worker] = {}
         self.faults: Counter[str] = Counter()
@@ -715,6 +715,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--capacity-every", type=float, default=30.0, help="mean seconds between capacity cuts (0: off)")
     ap.add_argument("--lease-s", type=float, default=3.0)
     ap.add_argument("--redis-retry-s", type=float, default=0.5)
+    ap.add_argument("--read-timeout-s", type=float, default=0.0,
+                    help="the stores' read_timeout_s (>0: reads staged through the I/O threads' own memory)")
     ap.add_argument("--redis-url", help="an existing Redis for the index (default: the embedded one, which can be killed)")
     ap.add_argument("--path", help="store directory (default: a temporary one, removed afterwards)")
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory")

@@ -13,7 +13,6 @@ the host pools afterwards (``register_mem_pool_host`` for the KV anchor,
 from __future__ import annotations
 
 import functools
-import os
 import logging
 import threading
 import time
@@ -33,7 +32,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from sglang_tierstore.config import TierStoreConfig, redact_url
-from sglang_tierstore.embedded import ensure_embedded_redis, redis_dir
+from sglang_tierstore.embedded import embedded_running, ensure_embedded_redis, redis_dir, stop_embedded_redis
 from sglang_tierstore.errors import IndexUnavailable, StoreDetached, TierStoreError
 from sglang_tierstore.eviction import Housekeeper
 from sglang_tierstore.hostmem import PagePlan, tensor_bytes
@@ -96,11 +95,6 @@ def _geometry(pool: Any) -> tuple[tuple[str, object], ...]:
     return tuple((n, getattr(pool, n)) for n in names if hasattr(pool, n))
 
 
-def _within(path: str, d: str) -> bool:
-    """Whether ``path`` is ``d`` or lies under it."""
-    return os.path.commonpath([os.path.abspath(path), os.path.abspath(d)]) == os.path.abspath(d)
-
-
 def _leading(flags: List[bool]) -> int:
     return next((i for i, f in enumerate(flags) if not f), len(flags))
 
@@ -117,16 +111,18 @@ class TierStoreBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
         redis_tls(self.cfg.redis_tls_ca_file, self.cfg.redis_tls_cert_file, self.cfg.redis_tls_key_file)
         created = check_dirs(self.cfg.path, self.modes)
         embedded = self.cfg.redis_url is None
+        started = False
         try:
-            url = self.cfg.redis_url or ensure_embedded_redis(self.cfg.path[0], self.modes, self.cfg.redis_server)
-        except TierStoreError:
-            remove_created(created)  # a failed start leaves nothing behind
-            raise
-        try:
+            if self.cfg.redis_url is None:
+                url, started = ensure_embedded_redis(self.cfg.path[0], self.modes, self.cfg.redis_server)
+            else:
+                url = self.cfg.redis_url
             self.store = TierStore(self.cfg, url)
-        except TierStoreError:  # the embedded Redis stays up (other ranks share it), with its directory
-            keep = redis_dir(self.cfg.path[0]) if embedded else None
-            remove_created([d for d in created if keep is None or not _within(keep, d)])
+        except BaseException:  # a failed start leaves nothing behind: what it started, what it created
+            if started:
+                stop_embedded_redis(self.cfg.path[0])
+            shared = embedded and embedded_running(self.cfg.path[0])  # another rank's: it stays, with its directory
+            remove_created(created, keep=redis_dir(self.cfg.path[0]) if shared else None)
             raise
         on_down = self._restart_embedded_redis if embedded else None
         self.housekeeper = Housekeeper(self.store, on_index_down=on_down)

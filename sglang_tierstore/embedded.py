@@ -15,7 +15,9 @@ never a join. Its files (AOF, log, pid, config) are created under a 077 umask.
 
 A server of ours that takes no password at all was started by a build before
 passwords: it is stopped (its AOF synced) and started again with the password, so an
-upgraded node keeps its index. One that wants another password is an error.
+upgraded node's index is guarded from then on (a store in it of an older format is then
+dropped at attach, as always; processes of the old build still attached to it get
+NOAUTH, misses, until they restart too). One that wants another password is an error.
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ import contextlib
 import fcntl
 import os
 import shutil
+import signal
 import subprocess
 import time
+from typing import NamedTuple
 from urllib.parse import quote
 
 import xxhash
@@ -36,10 +40,10 @@ from sglang_tierstore.private import (
     PRIVATE,
     Modes,
     check_owned_dir,
-    create_file,
     own_dir,
     peer_uid,
     secret,
+    write_file,
 )
 
 _SUN_PATH_MAX = 104  # sockaddr_un limit, with some margin
@@ -102,9 +106,13 @@ def _url(sock: str, password: str) -> str:
     return f"unix://{sock}?password={quote(password)}"
 
 
-def ensure_embedded_redis(path: str, m: Modes, redis_server: str = "redis-server", timeout_s: float = 30.0) -> str:
-    """Start or join the embedded redis-server for ``path``; return its ``unix://`` URL
-    (which holds its password: never log it, see ``config.redact_url``)."""
+class Embedded(NamedTuple):
+    url: str  # unix://, with the password: never log it (see ``config.redact_url``)
+    started: bool  # by this call (so a start-up that fails later stops it again)
+
+
+def ensure_embedded_redis(path: str, m: Modes, redis_server: str = "redis-server", timeout_s: float = 30.0) -> Embedded:
+    """Start or join the embedded redis-server for ``path``."""
     d = redis_dir(path)
     sock = socket_path(path)
     sock_dir = os.path.dirname(sock)
@@ -115,7 +123,7 @@ def ensure_embedded_redis(path: str, m: Modes, redis_server: str = "redis-server
     check_owned_dir(sock_dir, m if sock_dir == d else PRIVATE)
     password = secret(os.path.join(d, "secret"), m)
     if _ours(sock) and _takes(sock, password, d, timeout_s):
-        return _url(sock, password)
+        return Embedded(_url(sock, password), False)
     binary = shutil.which(redis_server)
     if binary is None:
         raise EmbeddedRedisError(
@@ -128,7 +136,7 @@ def ensure_embedded_redis(path: str, m: Modes, redis_server: str = "redis-server
         fcntl.flock(lock_fd, fcntl.LOCK_EX)
         if _ours(sock):
             if _takes(sock, password, d, timeout_s):
-                return _url(sock, password)
+                return Embedded(_url(sock, password), False)
             _stop_unprotected(sock, timeout_s)
         if os.path.lexists(sock):
             os.unlink(sock)  # left by a redis-server that died
@@ -155,16 +163,33 @@ def ensure_embedded_redis(path: str, m: Modes, redis_server: str = "redis-server
             time.sleep(0.05)
     finally:
         os.close(lock_fd)
-    return _url(sock, password)
+    return Embedded(_url(sock, password), True)
+
+
+def embedded_running(path: str) -> bool:
+    """Whether a server of ours listens on the embedded socket for ``path``."""
+    return _ours(socket_path(path))
+
+
+def stop_embedded_redis(path: str, timeout_s: float = 30.0) -> None:
+    """Stop the embedded redis-server for ``path`` (SIGTERM: it syncs its AOF first) and
+    wait until it no longer listens."""
+    sock = socket_path(path)
+    if not _ours(sock):
+        return
+    try:
+        with open(pid_file(path)) as f:
+            os.kill(int(f.read().strip()), signal.SIGTERM)
+    except (OSError, ValueError) as e:
+        raise EmbeddedRedisError(f"tierstore: cannot stop the embedded Redis of {path} ({e})") from None
+    deadline = time.monotonic() + timeout_s
+    while _ours(sock):
+        if time.monotonic() > deadline:
+            raise EmbeddedRedisError(f"tierstore: the embedded Redis on {sock} did not stop within {timeout_s}s")
+        time.sleep(0.05)
 
 
 def _write_conf(path: str, m: Modes, password: str, settings: dict[str, str]) -> None:
     """redis.conf with the password (never on a command line, where ``ps`` shows it)."""
-    tmp = f"{path}.{os.getpid()}.tmp"
     lines = [f"{k} {v}" for k, v in settings.items()] + [f"requirepass {password}"]
-    fd = create_file(tmp, m)
-    try:
-        os.write(fd, ("\n".join(lines) + "\n").encode())
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    write_file(path, ("\n".join(lines) + "\n").encode(), m)

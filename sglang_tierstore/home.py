@@ -23,7 +23,6 @@ layout before regions (keys ``<prefix>:bytes``, ``<prefix>:e:...``, files
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import json
 import logging
@@ -50,7 +49,7 @@ from sglang_tierstore.allocator import (
 from sglang_tierstore.errors import ConfigError
 from sglang_tierstore.index import RedisIndex
 from sglang_tierstore.mac import load_key
-from sglang_tierstore.private import PRIVATE, Modes, create_file, own_dir
+from sglang_tierstore.private import PRIVATE, Modes, own_dir, write_file
 from sglang_tierstore.schema import FORMAT, glob_escape, meta_key, shard_keys, store_tag
 
 logger = logging.getLogger(__name__)
@@ -112,15 +111,8 @@ def _read_marker(path: str, prefix: str) -> Optional[dict[str, str]]:
 
 
 def _write_marker(path: str, prefix: str, store_id: str, dir_id: str, m: Modes) -> None:
-    d = prefix_dir(path, prefix)
-    tmp = os.path.join(d, f".{MARKER}.{os.getpid()}")
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp)  # left by a crashed process with our pid
-    with os.fdopen(create_file(tmp, m), "w") as f:
-        json.dump({"prefix": prefix, "store": store_id, "dir": dir_id}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(d, MARKER))
+    doc = json.dumps({"prefix": prefix, "store": store_id, "dir": dir_id}).encode()
+    write_file(os.path.join(prefix_dir(path, prefix), MARKER), doc, m)
 
 
 def store_keys(tag: str, shards: int) -> list[str]:

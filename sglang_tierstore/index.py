@@ -86,6 +86,8 @@ def shutdown_unprotected(url: str, timeout_s: float) -> None:
         r.shutdown(nosave=True)
     except (redis.ConnectionError, redis.TimeoutError, OSError):
         pass  # it closed the connection as it went
+    except redis.RedisError as e:
+        raise TierStoreError(f"redis did not shut down: {e}") from e
     finally:
         r.close()
 

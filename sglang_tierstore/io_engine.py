@@ -26,7 +26,7 @@ import queue
 import threading
 import time as mod_time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Generic, Iterator, Optional, Sequence, TypeVar, Union
+from typing import Callable, Generator, Generic, Optional, Sequence, TypeVar, Union
 
 A = TypeVar("A")
 R = TypeVar("R")
@@ -54,7 +54,7 @@ class Batch(Generic[R]):
                 out = e  # and always reported: the caller waits for every item
             self._done.put((k, out))
 
-    def as_completed(self, deadline: Optional[float] = None) -> Iterator[tuple[int, Outcome[R]]]:
+    def as_completed(self, deadline: Optional[float] = None) -> Generator[tuple[int, Outcome[R]], None, None]:
         """(item position, outcome) of every item, in completion order; blocks, at most
         until ``deadline`` (``time.monotonic()``) if one is given: items not done by
         then are not yielded."""
@@ -118,9 +118,10 @@ class Staging:
     Each thread has one buffer, grown to the largest read it has staged and kept for
     the thread's life (at most ``threads`` x the largest run of a batch). Only its
     own thread uses it, one read at a time, so a buffer whose read was given up is
-    not reused before that read has returned. Private anonymous memory (not the shared
-    memory a plain ``mmap(-1, n)`` gives) is page-aligned, so O_DIRECT reads into it
-    work wherever they work into the caller's memory.
+    not reused before that read has returned. An anonymous mapping is page-aligned, so
+    O_DIRECT reads into it work wherever they work into the caller's memory; it is
+    private (``MAP_PRIVATE``, where ``mmap(-1, n)`` would map shared memory) because
+    nothing else ever sees it.
     """
 
     def __init__(self) -> None:
@@ -151,7 +152,7 @@ class IOEngine:
         n = len(items)
         batch: Batch[R] = Batch(n)
         chunks = min(self.threads, n, max(1, n * item_bytes // MIN_CHUNK_BYTES))
-        if chunks <= 1 and inline:
+        if not n or (chunks <= 1 and inline):
             batch._run(fn, items, 0)
             return batch
         bounds = [n * i // chunks for i in range(chunks + 1)]

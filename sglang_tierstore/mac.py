@@ -18,7 +18,6 @@ re-created store starts with a new key, so entries of the old one never verify.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import hmac
 import os
@@ -26,7 +25,7 @@ import secrets
 from typing import Sequence
 
 from sglang_tierstore.errors import ConfigError
-from sglang_tierstore.private import Modes, create_file
+from sglang_tierstore.private import Modes, write_file
 from sglang_tierstore.schema import SIGNED_BYTES, TAG_BYTES
 
 KEY_FILE = "entry.key"
@@ -74,19 +73,6 @@ def load_key(store_dirs: Sequence[str], m: Modes) -> bytes:
     key = next(iter(found.values())) if found else secrets.token_bytes(KEY_BYTES)
     for d in store_dirs:
         if os.path.join(d, KEY_FILE) not in found:
-            _write_key(d, key, m)
+            write_file(os.path.join(d, KEY_FILE), key, m)
     return key
 
-
-def _write_key(d: str, key: bytes, m: Modes) -> None:
-    """Whole or absent: written to a temporary name, synced, then renamed into place."""
-    tmp = os.path.join(d, f".{KEY_FILE}.{os.getpid()}")
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp)  # left by a crashed process with our pid
-    fd = create_file(tmp, m)
-    try:
-        os.write(fd, key)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, os.path.join(d, KEY_FILE))

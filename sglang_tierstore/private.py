@@ -12,6 +12,7 @@ client key) are read from files only their owner can read, and checked before an
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import secrets
@@ -20,8 +21,10 @@ import socket
 import ssl
 import stat
 import struct
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Optional
 
 from sglang_tierstore.errors import ConfigError
 
@@ -40,15 +43,19 @@ def modes(access: str) -> Modes:
     return GROUP if access == "group" else PRIVATE
 
 
-def make_dir(path: str, m: Modes) -> None:
+def make_dir(path: str, m: Modes, made: Optional[list[str]] = None) -> None:
     """``path`` and missing parents, each created with mode ``m.dir`` whatever the umask;
-    an existing directory keeps its mode (it may be a mount point the operator owns)."""
+    an existing directory keeps its mode (it may be a mount point the operator owns).
+    Appends to ``made`` each directory this call created, as it goes (never one another
+    process created meanwhile: that one is theirs to remove)."""
     p = os.path.abspath(path)
     for d in reversed(_missing_ancestors(p)):
         try:
             os.mkdir(d, m.dir)
         except FileExistsError:
             continue  # created meanwhile by another process
+        if made is not None:
+            made.append(d)
         os.chmod(d, m.dir)
     if not os.path.isdir(p):
         raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), p)
@@ -68,6 +75,31 @@ def create_file(path: str, m: Modes, flags: int = os.O_WRONLY) -> int:
     return fd
 
 
+def write_file(path: str, data: bytes, m: Modes, replace: bool = True) -> bool:
+    """``path`` holding ``data`` whole, with mode ``m.file``, or left as it was: written
+    under a temporary name and synced, then renamed over ``path`` (``replace``) or linked
+    there only if nothing is (False if something was), so a reader never sees a part."""
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{os.getpid()}.{threading.get_ident()}.tmp")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)  # left by a crashed process with our pid
+    fd = create_file(tmp, m)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if replace:
+        os.replace(tmp, path)
+        return True
+    try:
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        os.unlink(tmp)
+
+
 def check_dirs(paths: Sequence[str], m: Modes) -> list[str]:
     """Every directory in ``paths`` exists or can be created, and takes a written, synced and
     removed probe file; or ConfigError naming the directory, with whatever this created
@@ -75,28 +107,31 @@ def check_dirs(paths: Sequence[str], m: Modes) -> list[str]:
     created: list[str] = []
     try:
         for path in paths:
-            p = os.path.abspath(path)
-            missing = _missing_ancestors(p)
             try:
-                make_dir(p, m)
-                _probe(p, m)
+                make_dir(path, m, created)
+                _probe(os.path.abspath(path), m)
             except OSError as e:
                 raise ConfigError(
                     f"tierstore config key 'path': {path!r} is not a writable directory ({e.strerror or e})"
                 ) from None
-            finally:
-                created += [d for d in missing if os.path.isdir(d)]
     except ConfigError:
         remove_created(created)
         raise
     return created
 
 
-def remove_created(created: Sequence[str]) -> None:
+def remove_created(created: Sequence[str], keep: Optional[str] = None) -> None:
     """Undo :func:`check_dirs` after a later step of start-up failed: the directories it
-    created, with what start-up put in them (nothing there predates this process)."""
+    created, with what start-up put in them (nothing there predates this process), except
+    those holding ``keep``."""
     for d in sorted(created, key=len, reverse=True):
-        shutil.rmtree(d, ignore_errors=True)
+        if keep is None or not _within(keep, d):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _within(path: str, d: str) -> bool:
+    """Whether ``path`` is ``d`` or lies under it."""
+    return os.path.commonpath([os.path.abspath(path), os.path.abspath(d)]) == os.path.abspath(d)
 
 
 def _missing_ancestors(p: str) -> list[str]:
@@ -123,17 +158,10 @@ def _probe(d: str, m: Modes) -> None:
 
 def secret(path: str, m: Modes) -> str:
     """The secret kept in ``path`` (created with a fresh random value if missing). A file
-    readable by anyone but its owner (and, with group access, the group) is refused."""
-    try:
-        fd = create_file(path, m)
-    except FileExistsError:
-        pass
-    else:
-        try:
-            os.write(fd, secrets.token_hex(32).encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    readable by anyone but its owner (and, with group access, the group) is refused. Ranks
+    starting together all read the one value that got there first, never a part of it."""
+    if not os.path.exists(path):
+        write_file(path, secrets.token_hex(32).encode(), m, replace=False)
     st = os.stat(path)
     if st.st_uid != os.getuid() or st.st_mode & 0o777 & ~m.file:
         raise ConfigError(f"tierstore: {path} must be owned by uid {os.getuid()} with mode {m.file:o} or stricter")

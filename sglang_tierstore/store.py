@@ -39,12 +39,13 @@ failed write, counted and logged here.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import threading
 import time as mod_time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Mapping, Optional, Sequence
+from typing import Callable, Generator, Mapping, Optional, Sequence
 
 import xxhash
 
@@ -318,20 +319,22 @@ class TierStore:
             pages.append((i, g.file_of(e.region), g.slot_offset(e.region, e.slot, ns.page_bytes)))
         runs = self._runs(pages, ns.page_bytes, len(dests[0]) if dests else 1)
         read_runs = self._read_staged if self.cfg.read_timeout_s else self._read_direct
-        for k, o in read_runs(a, runs, dests, ns.page_bytes, aligned):
-            run = runs[k]
-            if isinstance(o, BaseException):
-                self._io_failure(a, "io_read", run[0][1], o)
-                continue
-            for i, f, _ in run:
-                if checksum(dests[i]) == entries[i].checksum:
-                    results[i] = True
-                elif self._file_current(a, f):
-                    raw = raws[i]
-                    assert raw is not None
-                    bad.append((fields[i], raw))
-                    self.metrics.error("corrupt")
-                    self.log.warning("corrupt", "page %s failed verification (stale, torn or rotten slot): dropped", fields[i].hex())
+        # closed however this loop ends: a staged read shuts its gate before read returns
+        with contextlib.closing(read_runs(a, runs, dests, ns.page_bytes, aligned)) as arriving:
+            for k, o in arriving:
+                run = runs[k]
+                if isinstance(o, BaseException):
+                    self._io_failure(a, "io_read", run[0][1], o)
+                    continue
+                for i, f, _ in run:
+                    if checksum(dests[i]) == entries[i].checksum:
+                        results[i] = True
+                    elif self._file_current(a, f):
+                        raw = raws[i]
+                        assert raw is not None
+                        bad.append((fields[i], raw))
+                        self.metrics.error("corrupt")
+                        self.log.warning("corrupt", "page %s failed verification (stale, torn or rotten slot): dropped", fields[i].hex())
         hits = sum(results)
         self.metrics.pages("read", "hit", hits)
         self.metrics.pages("read", "miss", len(keys) - hits)
@@ -343,7 +346,7 @@ class TierStore:
         return results
 
     def _read_direct(self, a: _Attached, runs: list[list[_Page]], dests: Sequence[Regions], page_bytes: int,
-                     aligned: bool) -> Iterator[tuple[int, object]]:
+                     aligned: bool) -> Generator[tuple[int, object], None, None]:
         """(run position, outcome) of each run, read straight into ``dests``, as runs
         arrive; waits for every run (``read_timeout_s`` 0)."""
         def read_run(run: list[_Page]) -> None:
@@ -353,7 +356,7 @@ class TierStore:
         return self.io.submit(read_run, runs, _run_bytes(runs, page_bytes)).as_completed()
 
     def _read_staged(self, a: _Attached, runs: list[list[_Page]], dests: Sequence[Regions], page_bytes: int,
-                     aligned: bool) -> Iterator[tuple[int, object]]:
+                     aligned: bool) -> Generator[tuple[int, object], None, None]:
         """Like :meth:`_read_direct`, but yields only runs done within ``read_timeout_s``.
 
         A preadv cannot be cancelled, so runs are read into the I/O threads' staging
@@ -388,8 +391,8 @@ class TierStore:
         late = sum(map(len, runs)) - done
         if late:
             self.metrics.error("io_read_timeout", late)
-            self.log.warning("io_read_timeout", "%d page(s) not read within read_timeout_s=%g s (a stalled disk, or "
-                             "I/O threads still stuck on one): misses, kept", late, timeout)
+            self.log.warning("io_read_timeout", "%d page(s) not read within read_timeout_s=%g s (a stalled disk, I/O "
+                             "threads still stuck on one, or a queue of other batches' I/O ahead): misses, kept", late, timeout)
 
     def _file_current(self, a: _Attached, file_no: int) -> bool:
         """Is our handle on this file the file the index names? (If not, what we read

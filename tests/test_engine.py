@@ -79,7 +79,8 @@ def test_staged_reads_give_the_same_bytes(cfg: dict[str, Any], page_bytes: int, 
         dests = split_pages([bytearray(page_bytes) for _ in ks], aligned)
         assert st.read(ns, ks, dests, aligned) == [True] * 9 + [False] * 3
         assert [b"".join(bytes(r) for r in regions) for regions in dests[:9]] == src[:9]
-        assert "error_io_read_timeout" not in st.stats()
+        assert st.read(ns, ks[9:], dests[9:], aligned) == [False] * 3  # nothing to read: no I/O at all
+        assert "error_io_read_timeout" not in st.stats() and "error_internal" not in st.stats()
         assert st.check() == []
     finally:
         st.close()

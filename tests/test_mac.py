@@ -20,10 +20,11 @@ from sglang_tierstore.schema import ENTRY, entry_field, unpack_entry, unpack_reg
 from sglang_tierstore.store import TierStore
 
 
-@pytest.fixture
-def cfg(tmp_path: Path, redis_proc: RedisProc) -> dict[str, Any]:
+@pytest.fixture(params=[0, 30], ids=["direct", "staged"])
+def cfg(tmp_path: Path, redis_proc: RedisProc, request: pytest.FixtureRequest) -> dict[str, Any]:
+    """Both read paths: straight into the caller's buffers, and staged (``read_timeout_s``)."""
     return {"path": str(tmp_path / "store"), "redis_url": redis_proc.url, "redis_prefix": "m-" + uuid.uuid4().hex[:10],
-            "capacity_gb": 4 * MiB / (1 << 30), "io_threads": 2}
+            "capacity_gb": 4 * MiB / (1 << 30), "io_threads": 2, "read_timeout_s": request.param}
 
 
 @pytest.fixture

@@ -27,8 +27,15 @@ from pools import fill, keys, mha_pool, page_indices, storage_config
 
 from sglang_tierstore import ConfigError, EmbeddedRedisError, TierStoreBackend
 from sglang_tierstore.config import TierStoreConfig, redact_url
-from sglang_tierstore.embedded import ensure_embedded_redis, pid_file, redis_dir, socket_path
-from sglang_tierstore.private import PRIVATE
+from sglang_tierstore.embedded import (
+    embedded_running,
+    ensure_embedded_redis,
+    pid_file,
+    redis_dir,
+    socket_path,
+    stop_embedded_redis,
+)
+from sglang_tierstore.private import PRIVATE, check_dirs, remove_created, secret
 
 NOBODY = 65534
 as_root = pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as a second user")
@@ -94,8 +101,65 @@ def test_a_store_that_cannot_attach_leaves_no_thread_connection_or_new_directory
     assert not (tmp_path / "new").exists()
     assert {t.name for t in threading.enumerate()} == threads  # no I/O threads left running
     clients = redis.Redis.from_url(private_redis.url)
+    deadline = time.monotonic() + 10  # the server notices closed sockets as it gets to them
+    while int(clients.info("clients")["connected_clients"]) > 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert int(clients.info("clients")["connected_clients"]) == 1  # this one: the failed store's are closed
     clients.close()
+
+
+def test_a_failed_start_stops_the_embedded_redis_it_started(tmp_path: Path) -> None:
+    d1, d2, new = tmp_path / "d1", tmp_path / "d2", tmp_path / "new" / "d0"
+    try:
+        for d in (d1, d2):  # two stores of their own, each with its embedded Redis
+            TierStoreBackend(storage_config({"path": str(d), "capacity_gb": 0.1}), {}).close()
+        with pytest.raises(ConfigError, match="different stores"):
+            TierStoreBackend(storage_config({"path": [str(new), str(d1), str(d2)], "capacity_gb": 0.1}), {})
+        assert not (tmp_path / "new").exists()
+        assert not embedded_running(str(new))
+    finally:
+        for d in (d1, d2, new):
+            stop_embedded_redis(str(d))
+
+
+def test_start_up_removes_only_directories_it_created_itself(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks start together: a directory another rank creates between this rank's look and
+    its mkdir is the other rank's, and this rank's failed start must leave it alone."""
+    theirs = tmp_path / "nvme" / "ts"
+    real_mkdir = os.mkdir
+
+    def racing_mkdir(path: Any, mode: int = 0o777) -> None:
+        if Path(path) == theirs and not theirs.exists():
+            real_mkdir(path, mode)  # the other rank got there first
+            (theirs / "their-file").write_text("x")
+        real_mkdir(path, mode)
+
+    theirs.parent.mkdir()
+    monkeypatch.setattr(os, "mkdir", racing_mkdir)
+    created = check_dirs([str(theirs), str(tmp_path / "mine")], PRIVATE)
+    monkeypatch.undo()
+    assert created == [str(tmp_path / "mine")]
+    remove_created(created)  # a later step of this rank's start failed
+    assert (theirs / "their-file").exists() and not (tmp_path / "mine").exists()
+
+
+def test_ranks_starting_together_read_one_whole_secret(tmp_path: Path) -> None:
+    for round_ in range(30):
+        path = str(tmp_path / f"secret{round_}")
+        got: list[object] = []
+        threads = [threading.Thread(target=lambda: got.append(_secret_or_error(path))) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(set(map(str, got))) == 1 and isinstance(got[0], str), got
+
+
+def _secret_or_error(path: str) -> object:
+    try:
+        return secret(path, PRIVATE)
+    except ConfigError as e:
+        return e
 
 
 def test_an_uncreatable_directory_is_named(tmp_path: Path) -> None:
@@ -163,7 +227,7 @@ def test_the_embedded_redis_requires_its_password(tmp_path: Path) -> None:
         stop_embedded(root)
 
 
-def test_an_embedded_redis_of_a_build_before_passwords_is_restarted_with_its_index(tmp_path: Path) -> None:
+def test_an_embedded_redis_of_a_build_before_passwords_is_restarted_with_its_data_and_a_password(tmp_path: Path) -> None:
     """An upgraded node: the embedded Redis an earlier build started (no password) still
     runs. The new build stops it (AOF synced) and starts it with the password; the data stays."""
     root = tmp_path / "store"
@@ -181,7 +245,7 @@ def test_an_embedded_redis_of_a_build_before_passwords_is_restarted_with_its_ind
             time.sleep(0.05)
         old_pid = int(old.info("server")["process_id"])
         old.close()
-        url = ensure_embedded_redis(str(root), PRIVATE)
+        url = ensure_embedded_redis(str(root), PRIVATE).url
         new = redis.Redis.from_url(url)
         assert new.get("kept") == b"yes" and int(new.info("server")["process_id"]) != old_pid
         new.close()

@@ -200,12 +200,13 @@ def test_redis_killed_and_restarted_from_its_aof_under_load(extra: dict[str, Any
 
 @pytest.mark.slow
 def test_stress_script_short_run_with_every_fault(tmp_path: Path) -> None:
-    """``scripts/stress.py`` end to end, every fault on: it exits 0 and its summary says
-    the faults happened, pages were hit and verified, and nothing went wrong."""
+    """``scripts/stress.py`` end to end, every fault on, reads staged (``read_timeout_s``;
+    the committed run reads straight into buffers): it exits 0 and its summary says the
+    faults happened, pages were hit and verified, and nothing went wrong."""
     out = tmp_path / "stress.json"
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "stress.py"), "--procs", "2", "--threads", "2", "--seconds", "20",
            "--kill-every", "3", "--redis-every", "6", "--flip-every", "0.5", "--capacity-every", "5", "--lease-s", "2",
-           "--seed", "3", "--path", str(tmp_path / "run"), "--json", str(out)]
+           "--read-timeout-s", "10", "--seed", "3", "--path", str(tmp_path / "run"), "--json", str(out)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stdout + p.stderr[-4000:]
     s = json.loads(out.read_text())
