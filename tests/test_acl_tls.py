@@ -225,6 +225,7 @@ def test_an_acl_user_with_only_the_rule_does_everything_the_engine_does(
         user.get("someone-else:key")
     with pytest.raises(redis.exceptions.NoPermissionError):
         user.flushall()
+    assert b"someone-else:key" in user.scan(0, count=1000)[1]  # SCAN is not filtered by key patterns (README)
 
 
 def test_an_acl_user_through_sglang_and_a_wrong_password(
@@ -251,6 +252,24 @@ def test_a_prefix_outside_the_acl_users_keys_stops_start_up(tmp_path: Path, priv
     with pytest.raises(TierStoreError, match=r"refused this user .*no permissions.* needs the ACL rules") as e:
         TierStoreBackend(storage_config(cfg), {})
     assert USER_PW not in str(e.value)
+
+
+def test_scan_is_needed_only_to_drop_a_store_of_the_layout_before_regions(
+        tmp_path: Path, private_redis: RedisProc) -> None:
+    """The engine sends SCAN (which lists key names whatever the user's key patterns) only at
+    start-up, when a store of the old layout is there to drop. Without ``+scan`` the engine
+    works, and such a store stops start-up naming the rule."""
+    rule = " ".join(w for w in acl_rule("tierstore").split() if w != "+scan")
+    lock_down(redis.Redis(host="127.0.0.1", port=private_redis.port), "tierstore", rule)
+    admin = admin_of(private_redis)
+    admin.set("someone-else:key", "theirs")
+    cfg = {"path": str(tmp_path / "s"), "redis_url": user_url(private_redis), "capacity_gb": 0.1, "interface_v1": 1}
+    with TierStoreBackend(storage_config(cfg), {}) as be:
+        round_trip(be)
+    assert denied(admin) == []
+    admin.set("tierstore:gen", "1")  # what a build before regions left in the index
+    with pytest.raises(TierStoreError, match=r"refused this user .*'scan'.* needs the ACL rules"):
+        TierStoreBackend(storage_config(cfg), {})
 
 
 def test_a_command_denied_inside_a_script_fails_the_call_naming_the_acl_rule(
