@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, Mapping, NamedTuple, Optional
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote_plus, urlsplit, urlunsplit
 
 from sglang_tierstore.errors import ConfigError
 
@@ -102,9 +101,16 @@ def redact_url(url: str) -> str:
     if "@" in netloc:
         cred, host = netloc.rsplit("@", 1)
         netloc = (cred.split(":", 1)[0] + ":***" if ":" in cred else "***") + "@" + host
-    query = re.sub(r"(?i)(^|&)(password=)[^&]*", r"\1\2***", parts.query)
-    out = urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+    out = urlunsplit((parts.scheme, netloc, parts.path, _redact_query(parts.query), parts.fragment))
     return "unix://" + out[len("unix:"):] if parts.scheme == "unix" and not parts.netloc else out
+
+
+def _redact_query(query: str) -> str:
+    """``query`` with the value of each option whose name, decoded as redis-py decodes it,
+    ends in ``password`` (``password``, ``ssl_password``) replaced by ``***``."""
+    items = [(item, *item.partition("=")) for item in query.split("&")]
+    return "&".join(f"{name}=***" if eq and unquote_plus(name).lower().endswith("password") else item
+                    for item, name, eq, _ in items)
 
 
 def _redis_url(v: Any) -> Optional[str]:
@@ -120,6 +126,13 @@ def _redis_url(v: Any) -> Optional[str]:
         raise ValueError(f"not a valid URL ({e}): {shown}") from None
     if parts.scheme not in ("redis", "rediss", "unix"):
         raise ValueError(f"expected a redis://, rediss:// or unix:// URL, got {shown}")
+    # redis-py lets a URL's options override its caller's: ssl_cert_reqs=none or
+    # ssl_check_hostname=false there would turn off what RedisIndex asks for.
+    tls_options = sorted({name for name, _ in parse_qsl(parts.query, keep_blank_values=True)
+                          if name.lower().startswith("ssl")})
+    if tls_options:
+        raise ValueError(f"TLS options cannot be set in the URL ({', '.join(tls_options)}): tierstore always verifies "
+                         f"the server's certificate and host name, with the files of the redis_tls_* keys; got {shown}")
     if parts.scheme == "unix":
         if not parts.path:
             raise ValueError(f"expected unix:///path/to/socket, got {shown}")

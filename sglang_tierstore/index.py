@@ -50,6 +50,9 @@ def acl_rule(prefix: str) -> str:
     return f"resetkeys {keys} resetchannels -@all {commands}"
 
 
+# Redis 7.0 answers a command a script calls that its caller may not run with a plain
+# error starting so (7.2 and later answer NOPERM, which redis-py raises as NoPermissionError).
+_SCRIPT_DENIED = "The user executing the script "
 _NOT_SERVING = ("LOADING", "BUSY", "MASTERDOWN", "OOM", "READONLY", "NOREPLICAS", "TRYAGAIN", "CLUSTERDOWN")
 
 
@@ -92,6 +95,14 @@ def shutdown_unprotected(url: str, timeout_s: float) -> None:
         r.close()
 
 
+def _tls_kwargs(url: str, tls: Optional[TlsFiles]) -> dict[str, Any]:
+    """redis-py's TLS arguments: a ``rediss://`` index must show a certificate that the CA
+    signed *for the host in the URL* (redis-py before 6 checks no host name unless told)."""
+    verify = {"ssl_cert_reqs": "required", "ssl_check_hostname": True} if url.startswith("rediss://") else {}
+    files = {"ssl_ca_certs": tls.ca_file, "ssl_certfile": tls.cert_file, "ssl_keyfile": tls.key_file} if tls else {}
+    return {**verify, **files}
+
+
 class RedisIndex:
     """One connection pool to the index's Redis (or Valkey), with a breaker."""
 
@@ -117,7 +128,7 @@ class RedisIndex:
             retry=Retry(NoBackoff(), 1),
             retry_on_timeout=False,
             **({"password": password} if password is not None else {}),
-            **({"ssl_ca_certs": tls.ca_file, "ssl_certfile": tls.cert_file, "ssl_keyfile": tls.key_file} if tls else {}),
+            **_tls_kwargs(url, tls),
         )
         self._scripts: dict[str, tuple[str, str]] = {}  # name -> (sha1, text)
 
@@ -136,11 +147,11 @@ class RedisIndex:
         except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
             self._trip()
             raise IndexUnavailable(f"redis unavailable: {e}") from e
-        except redis.exceptions.NoPermissionError as e:
-            raise TierStoreError(f"redis refused this user ({e}); it needs the ACL rules of "
-                                 "sglang_tierstore.index.acl_rule(redis_prefix)") from e
         except redis.ResponseError as e:
             msg = str(e)
+            if isinstance(e, redis.exceptions.NoPermissionError) or msg.startswith(_SCRIPT_DENIED):
+                raise TierStoreError(f"redis refused this user ({msg}); it needs the ACL rules of "
+                                     "sglang_tierstore.index.acl_rule(redis_prefix)") from e
             if msg.startswith("TSSTALE"):
                 raise StoreDetached("the store is not in the index any more (dropped, or the index was lost)") from e
             if msg.startswith(_NOT_SERVING):

@@ -40,6 +40,7 @@ class Certs(NamedTuple):
     client: tuple[Path, Path]
     other_ca: Path  # signed neither
     encrypted_key: Path  # the client's key under a passphrase
+    elsewhere: tuple[Path, Path]  # a server's, signed by the CA for another host only
 
 
 def make_cert(d: Path, name: str, subject: str, *extra: str) -> tuple[Path, Path]:
@@ -60,19 +61,23 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
     server = make_cert(d, "server", "localhost", *signed, "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost",
                        "-addext", "basicConstraints=critical,CA:FALSE")
     client = make_cert(d, "client", "tierstore client", *signed, "-addext", "basicConstraints=critical,CA:FALSE")
+    elsewhere = make_cert(d, "elsewhere", "elsewhere.invalid", *signed, "-addext", "subjectAltName=DNS:elsewhere.invalid",
+                          "-addext", "basicConstraints=critical,CA:FALSE")
     other_ca, _ = make_cert(d, "other-ca", "another CA")
     encrypted = d / "encrypted.key"
     subprocess.run(["openssl", "pkey", "-in", str(client[1]), "-aes256", "-passout", "pass:key-pw", "-out", str(encrypted)],
                    check=True, capture_output=True)
     encrypted.chmod(0o600)
-    return Certs(ca, server, client, other_ca, encrypted)
+    return Certs(ca, server, client, other_ca, encrypted, elsewhere)
 
 
 class TlsRedis(RedisProc):
-    """A redis-server that listens only on TLS and requires a client certificate."""
+    """A redis-server that listens only on TLS and requires a client certificate; it shows
+    ``server`` (a certificate and its key; default: the one for 127.0.0.1)."""
 
-    def __init__(self, workdir: Path, certs: Certs) -> None:
+    def __init__(self, workdir: Path, certs: Certs, server: tuple[Path, Path] | None = None) -> None:
         self.certs = certs
+        self.server = server or certs.server
         super().__init__(workdir)
 
     @property
@@ -82,12 +87,15 @@ class TlsRedis(RedisProc):
     def command(self) -> list[str]:
         c = self.certs
         return super().command() + [
-            "--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(c.server[0]),
-            "--tls-key-file", str(c.server[1]), "--tls-ca-cert-file", str(c.ca), "--tls-auth-clients", "yes",
+            "--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(self.server[0]),
+            "--tls-key-file", str(self.server[1]), "--tls-ca-cert-file", str(c.ca), "--tls-auth-clients", "yes",
         ]
 
     def ping(self) -> bool:
+        """A PING that checks the server's certificate against the CA but not its host name:
+        it answers for a server showing ``certs.elsewhere`` too."""
         ctx = ssl.create_default_context(cafile=str(self.certs.ca))
+        ctx.check_hostname = False
         ctx.load_cert_chain(*map(str, self.certs.client))
         with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as raw:
             with ctx.wrap_socket(raw, server_hostname="127.0.0.1") as s:
@@ -107,10 +115,10 @@ def tls_redis(tmp_path: Path, certs: Certs) -> Any:
     r.stop()
 
 
-def lock_down(admin: redis.Redis, prefix: str) -> None:
-    """A user that may do only what tierstore with ``prefix`` needs; the default user
-    needs a password from now on."""
-    admin.execute_command("ACL", "SETUSER", USER, "reset", "on", f">{USER_PW}", *acl_rule(prefix).split())
+def lock_down(admin: redis.Redis, prefix: str, rule: str | None = None) -> None:
+    """A user that may do only what tierstore with ``prefix`` needs (or ``rule``); the
+    default user needs a password from now on."""
+    admin.execute_command("ACL", "SETUSER", USER, "reset", "on", f">{USER_PW}", *(rule or acl_rule(prefix)).split())
     admin.config_set("requirepass", ADMIN_PW)
 
 
@@ -217,6 +225,7 @@ def test_an_acl_user_with_only_the_rule_does_everything_the_engine_does(
         user.get("someone-else:key")
     with pytest.raises(redis.exceptions.NoPermissionError):
         user.flushall()
+    assert b"someone-else:key" in user.scan(0, count=1000)[1]  # SCAN is not filtered by key patterns (README)
 
 
 def test_an_acl_user_through_sglang_and_a_wrong_password(
@@ -245,6 +254,43 @@ def test_a_prefix_outside_the_acl_users_keys_stops_start_up(tmp_path: Path, priv
     assert USER_PW not in str(e.value)
 
 
+def test_scan_is_needed_only_to_drop_a_store_of_the_layout_before_regions(
+        tmp_path: Path, private_redis: RedisProc) -> None:
+    """The engine sends SCAN (which lists key names whatever the user's key patterns) only at
+    start-up, when a store of the old layout is there to drop. Without ``+scan`` the engine
+    works, and such a store stops start-up naming the rule."""
+    rule = " ".join(w for w in acl_rule("tierstore").split() if w != "+scan")
+    lock_down(redis.Redis(host="127.0.0.1", port=private_redis.port), "tierstore", rule)
+    admin = admin_of(private_redis)
+    admin.set("someone-else:key", "theirs")
+    cfg = {"path": str(tmp_path / "s"), "redis_url": user_url(private_redis), "capacity_gb": 0.1, "interface_v1": 1}
+    with TierStoreBackend(storage_config(cfg), {}) as be:
+        round_trip(be)
+    assert denied(admin) == []
+    admin.set("tierstore:gen", "1")  # what a build before regions left in the index
+    with pytest.raises(TierStoreError, match=r"refused this user .*'scan'.* needs the ACL rules"):
+        TierStoreBackend(storage_config(cfg), {})
+
+
+def test_a_command_denied_inside_a_script_fails_the_call_naming_the_acl_rule(
+        tmp_path: Path, private_redis: RedisProc, caplog: Any) -> None:
+    """HINCRBY is sent only by a script (adding a page file, at the first write; start-up
+    runs no script). Redis 7.0 reports a command denied there as a plain error, not
+    NOPERM: the write fails and the log line names the ACL rule all the same."""
+    rule = [w for w in acl_rule("tierstore").split() if w != "+hincrby"]
+    lock_down(redis.Redis(host="127.0.0.1", port=private_redis.port), "tierstore", " ".join(rule))
+    caplog.set_level(logging.DEBUG)
+    cfg = {"path": str(tmp_path / "s"), "redis_url": user_url(private_redis), "capacity_gb": 0.1, "interface_v1": 1}
+    with TierStoreBackend(storage_config(cfg), {}) as be:
+        pool = mha_pool("page_first")
+        be.register_mem_pool_host(pool)
+        assert be.batch_set_v1(keys(2, tag="denied"), page_indices([0, 1], pool.page_size)) == [False] * 2
+    assert re.search(r"redis refused this user \(.+\); it needs the ACL rules of sglang_tierstore\.index\.acl_rule"
+                     r"\(redis_prefix\)", caplog.text)
+    assert USER_PW not in caplog.text
+    assert [e["object"] for e in denied(admin_of(private_redis))] == ["hincrby"]
+
+
 # -- TLS --------------------------------------------------------------------------------------
 
 
@@ -267,17 +313,25 @@ def test_pages_round_trip_over_tls_as_an_acl_user(
     assert USER_PW not in caplog.text and key_body(certs.client[1]) not in caplog.text
 
 
-@pytest.mark.parametrize("refused", ["no client certificate", "another CA"])
-def test_a_refused_tls_connection_answers_misses(
-        tmp_path: Path, certs: Certs, tls_redis: TlsRedis, caplog: Any, refused: str) -> None:
+@pytest.mark.parametrize("refused", ["no client certificate", "another CA", "a certificate for another host"])
+def test_a_refused_tls_connection_answers_misses(tmp_path: Path, certs: Certs, caplog: Any, refused: str) -> None:
+    """The server for another host shows a certificate the CA signed for elsewhere.invalid
+    only: its own readiness PING (CA checked, host name not) passes, tierstore's does not."""
     caplog.set_level(logging.DEBUG)
-    files = ({"ca": certs.ca} if refused == "no client certificate"
-             else {"ca": certs.other_ca, "cert": certs.client[0], "key": certs.client[1]})
-    with TierStoreBackend(storage_config(tls_config(tmp_path, tls_redis, **files)), {}) as be:
-        stats = misses_only(be)
-    assert "redis unavailable" in caplog.text
-    if refused == "another CA":
-        assert "certificate verify failed" in caplog.text
+    client = {"cert": certs.client[0], "key": certs.client[1]}
+    server, files, why = {
+        "no client certificate": (certs.server, {"ca": certs.ca}, "redis unavailable"),
+        "another CA": (certs.server, {"ca": certs.other_ca, **client}, "certificate verify failed"),
+        "a certificate for another host": (certs.elsewhere, {"ca": certs.ca, **client},
+                                           "certificate verify failed: IP address mismatch"),
+    }[refused]
+    proc = TlsRedis(tmp_path / "redis-tls", certs, server)
+    try:
+        with TierStoreBackend(storage_config(tls_config(tmp_path, proc, **files)), {}) as be:
+            stats = misses_only(be)
+    finally:
+        proc.stop()
+    assert "redis unavailable" in caplog.text and why in caplog.text
     assert key_body(certs.client[1]) not in caplog.text + stats
 
 
@@ -292,6 +346,13 @@ def test_a_refused_tls_connection_answers_misses(
      r"'redis_tls_key_file': .* not readable by others .*mode 644"),
     ("rediss://127.0.0.1:1/0", {"cert": "CERT", "key": "SERVER_KEY"}, r"not a PEM certificate and its private key"),
     ("rediss://127.0.0.1:1/0", {"cert": "CERT", "key": "ENCRYPTED"}, r"'redis_tls_key_file': .* is encrypted"),
+    # redis-py lets URL options override tierstore's TLS settings: none is accepted
+    (f"rediss://{USER}:{USER_PW}@127.0.0.1:1/0?ssl_cert_reqs=none", {"ca": "CA"},
+     rf"key 'redis_url': TLS options cannot be set in the URL \(ssl_cert_reqs\): .* got "
+     rf"rediss://{USER}:\*\*\*@127\.0\.0\.1:1/0\?ssl_cert_reqs=none$"),
+    ("rediss://127.0.0.1:1/0?db=0&ssl%5Fcheck_hostname=false&ssl_ca_certs=/etc/x.pem&ssl_password=key-pw", {},
+     r"key 'redis_url': TLS options cannot be set in the URL \(ssl_ca_certs, ssl_check_hostname, ssl_password\): "
+     r".*ssl_password=\*\*\*$"),
 ])
 def test_bad_tls_settings_stop_start_up_naming_the_key(
         tmp_path: Path, certs: Certs, url: str | None, files: dict[str, str], match: str) -> None:
@@ -305,5 +366,6 @@ def test_bad_tls_settings_stop_start_up_naming_the_key(
     with pytest.raises(ConfigError, match=match) as e:
         TierStoreBackend(storage_config(cfg), {})
     assert key_body(certs.client[1]) not in str(e.value)
+    assert USER_PW not in str(e.value) and "key-pw" not in str(e.value)
     assert not (tmp_path / "s").exists()  # refused before anything was created
     assert os.listdir(tmp_path) == ["world.key"]
