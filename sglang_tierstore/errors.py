@@ -33,6 +33,11 @@ class StoreDetached(TierStoreError, RuntimeError):
     re-format, or the index was lost): attach again."""
 
 
+class NoStore(TierStoreError, LookupError):
+    """No store to look at: the directories carry no marker, or the index does not hold
+    the store they name (an operator's tool found nothing and created nothing)."""
+
+
 class FileGone(PageIOError):
     """A page file is provably not the one the index describes any more (deleted,
     replaced, truncated): its pages are gone."""

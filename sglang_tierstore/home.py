@@ -46,7 +46,7 @@ from sglang_tierstore.allocator import (
     regions_per_file_for,
     shard_conf,
 )
-from sglang_tierstore.errors import ConfigError
+from sglang_tierstore.errors import ConfigError, NoStore
 from sglang_tierstore.index import RedisIndex
 from sglang_tierstore.mac import load_key
 from sglang_tierstore.private import PRIVATE, Modes, own_dir, write_file
@@ -110,9 +110,37 @@ def _read_marker(path: str, prefix: str) -> Optional[dict[str, str]]:
     return {"store": str(doc["store"]), "dir": str(doc["dir"])}
 
 
+def _one_store(markers: Sequence[Optional[dict[str, str]]]) -> list[str]:
+    """The store id the markers name (none, or one); ConfigError if they name several."""
+    ids = sorted({m["store"] for m in markers if m})
+    if len(ids) > 1:
+        raise ConfigError(f"tierstore config key 'path': the directories belong to different stores ({', '.join(ids)}); "
+                          "give each store its own directories")
+    return ids
+
+
 def _write_marker(path: str, prefix: str, store_id: str, dir_id: str, m: Modes) -> None:
     doc = json.dumps({"prefix": prefix, "store": store_id, "dir": dir_id}).encode()
     write_file(os.path.join(prefix_dir(path, prefix), MARKER), doc, m)
+
+
+def find_store(index: RedisIndex, prefix: str, paths: Sequence[str]) -> str:
+    """The id of the store these directories belong to, creating nothing (``attach``
+    creates a store where none is): for operators' tools that look before they attach.
+    NoStore saying why when the directories carry no marker or the index does not hold
+    the store they name in this build's format (then ``attach`` would drop it)."""
+    ids = _one_store([_read_marker(p, prefix) for p in paths])
+    if not ids:
+        raise NoStore(f"no store with prefix {prefix!r} in {', '.join(paths)} "
+                      "(no server has used these directories with this prefix yet)")
+    meta = index.hgetall(meta_key(store_tag(prefix, ids[0]), "meta"))
+    if not meta:
+        raise NoStore(f"the directories name store {ids[0]} (prefix {prefix!r}), but the index holds nothing for it "
+                      "(Redis lost its data, or this is not the Redis its servers use)")
+    if int(meta.get(b"format", 0)) != FORMAT:
+        raise NoStore(f"store {ids[0]} (prefix {prefix!r}) is in format {meta.get(b'format', b'?').decode()}; this build "
+                      f"reads format {FORMAT} (a server of this build drops and re-creates it at start-up)")
+    return ids[0]
 
 
 def store_keys(tag: str, shards: int) -> list[str]:
@@ -173,10 +201,7 @@ def attach(index: RedisIndex, prefix: str, paths: Sequence[str], capacity: int, 
     index.register(ALL_SCRIPTS)
     with _locked(paths, prefix, access):
         markers = [_read_marker(p, prefix) for p in paths]
-        ids = sorted({m["store"] for m in markers if m})
-        if len(ids) > 1:
-            raise ConfigError(f"tierstore config key 'path': the directories belong to different stores ({', '.join(ids)}); "
-                              "give each store its own directories")
+        ids = _one_store(markers)
         if startup:
             drop_legacy(index, prefix, paths)
         store_id = ids[0] if ids else None

@@ -138,7 +138,11 @@ _Page = tuple[int, int, int]  # (position in the batch, file number, byte offset
 class TierStore:
     """Verified page store over one Redis index and one set of page directories."""
 
-    def __init__(self, cfg: TierStoreConfig, redis_url: str, clock: Callable[[], float] = mod_time.time) -> None:
+    def __init__(self, cfg: TierStoreConfig, redis_url: str, clock: Callable[[], float] = mod_time.time,
+                 startup: bool = True) -> None:
+        """``startup``: this process owns the store's settings, so its first attach may
+        re-format the store for ``cfg.capacity_gb`` and records that capacity (a server).
+        False: join the store as it is (an operator's tool, whose config may differ)."""
         self.cfg = cfg
         self.modes = modes(cfg.file_access)
         self.clock = clock
@@ -151,7 +155,7 @@ class TierStore:
         self._token = secrets.token_hex(6)
         self._att: Optional[_Attached] = None
         self._att_lock = threading.Lock()
-        self._started = False
+        self._started = not startup
         self._touch: dict[int, dict[int, float]] = {}
         self._lost: dict[int, str] = {}  # file number -> uid: to be forgotten by housekeeping
         self._namespaces: dict[str, Namespace] = {}
@@ -233,10 +237,15 @@ class TierStore:
 
     def namespaces(self) -> dict[str, int]:
         """Every namespace the store has seen: id -> page bytes."""
+        return {ns: pb for ns, (pb, _) in self.namespace_descriptions().items()}
+
+    def namespace_descriptions(self) -> dict[str, tuple[int, str]]:
+        """Every namespace the store has seen: id -> (page bytes, the fingerprint's description)."""
         a = self.attached()
         out = {}
         for k, v in self.index.hgetall(meta_key(a.att.tag, "ns")).items():
-            out[k.decode()] = int(v.split(b";", 1)[0].split(b"=")[1])
+            head, _, desc = v.decode().partition(";")
+            out[k.decode()] = (int(head.split("=")[1]), desc)
         return out
 
     # -- probe --------------------------------------------------------------------
@@ -769,6 +778,22 @@ class TierStore:
                         d["live"] += reg.live
                         d["leased"] += reg.leased
                         d["dead"] += reg.fill - reg.live - reg.leased
+                if cursor == 0:
+                    break
+        return out
+
+    def pages_by_namespace(self) -> dict[str, int]:
+        """Committed pages per namespace id. Streams the entries (HSCAN, bounded steps):
+        O(pages) Redis work, for operators' tools rather than a hot path."""
+        a = self.attached()
+        out: dict[str, int] = {}
+        for s in range(a.att.geometry.shards):
+            key, cursor = a.alloc.key(s, "entries"), 0
+            while True:
+                cursor, chunk = self.index.hscan(key, cursor, 1000)
+                for f in chunk:
+                    ns = f[:8].hex()
+                    out[ns] = out.get(ns, 0) + 1
                 if cursor == 0:
                     break
         return out

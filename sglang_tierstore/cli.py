@@ -1,0 +1,596 @@
+"""``tierstore``: look at, check, clear and export a node's store; run its embedded Redis.
+
+Reads the JSON SGLang is given (``--hicache-storage-backend-extra-config``: inline, or
+``@file`` ending in .json, .toml or .yaml) from ``--config`` or ``$TIERSTORE_CONFIG``.
+
+``stats``, ``check``, ``clear`` and ``exporter`` look at a store that exists and create
+none: directories that are missing or hold no store marker, or an index that does not hold
+the store they name, are reported (exit 4) and left alone, and the embedded Redis is joined
+only if it is running (``--start-redis`` starts it). Once found, the store is joined as it
+is (``TierStore(startup=False)``): the config's ``capacity_gb`` is not applied to it.
+
+Counters of pages read, hit and written live in each serving process (each TP rank): no
+index holds them. ``stats`` shows them only when given the server's ``/metrics``
+(``--metrics-url``), summed over ranks; ``exporter`` serves index-level gauges only.
+
+Exit codes: 0 done; 1 ``check`` found problems (after ``--fix``: problems it left);
+2 bad usage or config (``clear`` without a terminal to confirm on and without ``--yes``);
+3 the index, the embedded Redis, a directory or the metrics URL cannot be reached;
+4 no store there; 5 ``clear`` not confirmed. Passwords are never printed
+(:func:`~sglang_tierstore.config.redact_url`).
+
+Imports neither SGLang nor torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import threading
+import time as mod_time
+import urllib.request
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from sglang_tierstore import home, plan
+from sglang_tierstore.config import TierStoreConfig, redact_url
+from sglang_tierstore.embedded import (
+    embedded_running,
+    ensure_embedded_redis,
+    pid_file,
+    redis_dir,
+    socket_path,
+    stop_embedded_redis,
+)
+from sglang_tierstore.errors import ConfigError, IndexUnavailable, NoStore, TierStoreError
+from sglang_tierstore.index import RedisIndex
+from sglang_tierstore.private import check_dirs, modes, redis_password, redis_tls
+from sglang_tierstore.store import Namespace, TierStore
+
+logger = logging.getLogger(__name__)
+
+OK, PROBLEMS, USAGE, UNREACHABLE, NO_STORE, DECLINED = range(6)
+CONFIG_ENV = "TIERSTORE_CONFIG"
+COUNTER_LABELS = frozenset({"op", "outcome", "kind", "action"})  # kept; others (ranks...) are summed over
+
+
+class CliError(Exception):
+    """What to print, and the exit code."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# -- config -------------------------------------------------------------------------
+
+
+def load_config(text: Optional[str]) -> TierStoreConfig:
+    """The config from inline JSON or ``@file`` (.json, .toml, .yaml, as SGLang reads them)."""
+    if not text:
+        raise CliError(USAGE, f"no config: give --config '<json>' or --config @file.json, or set ${CONFIG_ENV}")
+    try:
+        doc = _read_config_file(text[1:]) if text.startswith("@") else json.loads(text)
+    except (OSError, ValueError, ImportError) as e:
+        raise CliError(USAGE, f"--config {text if text.startswith('@') else '<json>'}: {e}") from None
+    if not isinstance(doc, dict):
+        raise CliError(USAGE, f"--config: expected a JSON object, got {type(doc).__name__}")
+    return TierStoreConfig.from_dict(doc)
+
+
+def _read_config_file(path: str) -> Any:
+    ext = os.path.splitext(path)[1].lower()
+    with open(path, "rb") as f:
+        if ext == ".json":
+            return json.load(f)
+        if ext == ".toml":
+            import tomllib
+
+            return tomllib.load(f)
+        if ext in (".yaml", ".yml"):
+            import yaml
+
+            return yaml.safe_load(f)
+    raise ValueError(f"unsupported config file extension {ext!r} (expected .json, .toml, .yaml or .yml)")
+
+
+# -- opening a store ------------------------------------------------------------------
+
+
+@dataclass
+class Opened:
+    """A store joined for an operator's command, and how its index was reached."""
+
+    store: TierStore
+    store_id: str
+    url: str  # with the password: show only ``redact_url(url)``
+    embedded: bool
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def _check_paths(cfg: TierStoreConfig) -> None:
+    """Every directory of ``path`` is there: NoStore if none is (nothing was ever stored), an
+    error if some are missing (a device not mounted: attaching would create an empty directory
+    in its place) or cannot be entered."""
+    missing = [p for p in cfg.path if not os.path.lexists(p)]
+    if len(missing) == len(cfg.path):
+        raise NoStore(f"no store: {', '.join(cfg.path)} does not exist (config key 'path')")
+    if missing:
+        raise CliError(UNREACHABLE, f"directory {', '.join(missing)} of config key 'path' does not exist (not mounted?)")
+    for p in cfg.path:
+        if not os.path.isdir(p) or not os.access(p, os.R_OK | os.W_OK | os.X_OK):
+            raise CliError(UNREACHABLE, f"config key 'path': {p} is not a directory this user can read and write")
+
+
+def index_url(cfg: TierStoreConfig, start_redis: bool) -> tuple[str, bool]:
+    """(URL of the index, whether it is the embedded Redis). The embedded one is joined only
+    if running, or started with ``start_redis``."""
+    if cfg.redis_url is not None:
+        return cfg.redis_url, False
+    path = cfg.path[0]
+    if not start_redis and not embedded_running(path):
+        raise CliError(UNREACHABLE, f"the embedded Redis of {path} is not running (socket {socket_path(path)}); "
+                       "start it with `tierstore redis start`, or pass --start-redis")
+    return ensure_embedded_redis(path, modes(cfg.file_access), cfg.redis_server).url, True
+
+
+def _index(cfg: TierStoreConfig, url: str) -> RedisIndex:
+    password = redis_password(cfg.redis_password_env, cfg.redis_password_file) if cfg.redis_url else None
+    tls = redis_tls(cfg.redis_tls_ca_file, cfg.redis_tls_cert_file, cfg.redis_tls_key_file)
+    return RedisIndex(url, cfg.redis_timeout_s, cfg.redis_retry_s, password=password, tls=tls)
+
+
+def open_store(cfg: TierStoreConfig, start_redis: bool) -> Opened:
+    """Join the store ``cfg`` names, as it is; NoStore if there is none (nothing is created)."""
+    _check_paths(cfg)
+    url, embedded = index_url(cfg, start_redis)
+    try:
+        idx = _index(cfg, url)
+        try:
+            store_id = home.find_store(idx, cfg.redis_prefix, cfg.path)
+        finally:
+            idx.close()
+        store = TierStore(cfg, url, startup=False)
+        try:
+            store.attached()
+        except BaseException:
+            store.close()
+            raise
+    except IndexUnavailable as e:
+        raise CliError(UNREACHABLE, f"cannot reach the index at {redact_url(url)}: {e}") from None
+    return Opened(store, store_id, url, embedded)
+
+
+# -- stats ----------------------------------------------------------------------------
+
+
+def index_facts(store: TierStore) -> dict[str, Any]:
+    """What the index says of the whole store (no process's own counts): usage, page sizes,
+    Redis memory (None where INFO is refused, as the ACL of ``index.acl_rule`` does)."""
+    usage = store.usage()
+    sizes = store.page_sizes()
+    try:
+        memory: Optional[int] = store.index.memory_used()
+    except IndexUnavailable:
+        raise
+    except TierStoreError:
+        memory = None
+    return {
+        "usage": usage,
+        "used_bytes": sum(pb * d["live"] for pb, d in sizes.items()),
+        "leased_slots": sum(d["leased"] for d in sizes.values()),
+        "page_sizes": [{"page_bytes": pb, **d} for pb, d in sorted(sizes.items())],
+        "index_memory_bytes": memory,
+    }
+
+
+def gather_stats(o: Opened, cfg: TierStoreConfig, counters: Optional[dict[str, float]]) -> dict[str, Any]:
+    facts = index_facts(o.store)
+    pages = o.store.pages_by_namespace()
+    namespaces = [{"id": ns, "page_bytes": pb, "pages": pages.get(ns, 0), "description": desc}
+                  for ns, (pb, desc) in sorted(o.store.namespace_descriptions().items())]
+    return {
+        "store": {"id": o.store_id, "prefix": cfg.redis_prefix, "paths": list(cfg.path)},
+        "index": {"url": redact_url(o.url), "embedded": o.embedded, "used_memory_bytes": facts.pop("index_memory_bytes")},
+        **facts,
+        "namespaces": namespaces,
+        "counters": counters,
+    }
+
+
+def server_counters(url: str, timeout_s: float = 10.0) -> dict[str, float]:
+    """tierstore's counters from a server's /metrics, summed over every label but the
+    ones that say what was counted (ranks, processes)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            text = r.read().decode()
+        families = list(text_string_to_metric_families(text))
+    except (OSError, ValueError) as e:
+        raise CliError(UNREACHABLE, f"cannot read metrics from {redact_url(url)}: {e}") from None
+    out: dict[str, float] = {}
+    for fam in families:
+        if fam.type != "counter" or not fam.name.startswith("tierstore_"):
+            continue
+        for s in fam.samples:
+            if s.name.endswith("_total"):
+                kept = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()) if k in COUNTER_LABELS)
+                key = f"{s.name}{{{kept}}}" if kept else s.name
+                out[key] = out.get(key, 0.0) + s.value
+    return dict(sorted(out.items()))
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _table(rows: Sequence[Sequence[object]], left: frozenset[int] = frozenset({0})) -> list[str]:
+    """Columns padded to their widest cell: ``left`` ones to the left (the last of them, if
+    last, not padded: a description), the others (numbers) to the right."""
+    cells = [list(map(str, r)) for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(cells[0]))]
+    last = len(widths) - 1
+    return ["  ".join(c if i == last and i in left else c.ljust(w) if i in left else c.rjust(w)
+                      for i, (c, w) in enumerate(zip(r, widths))) for r in cells]
+
+
+def render_stats(s: dict[str, Any], cfg: TierStoreConfig, metrics_url: Optional[str]) -> str:
+    u = s["usage"]
+    memory = s["index"]["used_memory_bytes"]
+    capacity = f"{_size(u['capacity_bytes'])}: {u['capacity_regions']} regions of {_size(u['region_bytes'])}"
+    if u["capacity_bytes"] != cfg.capacity_bytes:
+        capacity += f" (the config says {_size(cfg.capacity_bytes)}: a server started with it sets that)"
+    lines = _table([
+        ["store", f"{s['store']['id']} (prefix {s['store']['prefix']!r}) in {', '.join(s['store']['paths'])}"],
+        ["index", f"{s['index']['url']}{' (embedded)' if s['index']['embedded'] else ''}, "
+                  f"{_size(memory) + ' of memory' if memory is not None else 'memory not shown (INFO refused)'}"],
+        ["capacity", capacity],
+        ["allocated", f"{_size(u['allocated_bytes'])} in {u['allocated_regions']} regions"],
+        ["regions", f"{u['used_regions']} in use, {u['free_regions']} free, {u['draining_regions']} draining, "
+                    f"{u['hole_regions']} holes (no disk space), {u['punch_regions']} to punch out"],
+        ["used", f"{_size(s['used_bytes'])} in {u['pages']} pages"],
+        ["leases", f"{u['leases']} outstanding, {s['leased_slots']} slots leased"],
+        ["page files", u["files"]],
+    ], left=frozenset({0, 1}))
+    if s["page_sizes"]:
+        lines += ["", *_table([["page size", "regions", "pages", "leased", "dead"]] +
+                              [[_size(d["page_bytes"]), d["regions"], d["live"], d["leased"], d["dead"]]
+                               for d in s["page_sizes"]])]
+    if s["namespaces"]:
+        lines += ["", *_table([["namespace", "page size", "pages", "description"]] +
+                              [[n["id"], _size(n["page_bytes"]), n["pages"], n["description"]] for n in s["namespaces"]],
+                              left=frozenset({0, 3}))]
+    lines.append("")
+    if s["counters"] is None:
+        lines.append("counters: kept by each serving process, not in the index; --metrics-url "
+                     "http://HOST:PORT/metrics reads a server's")
+    else:
+        lines.append(f"counters from {redact_url(metrics_url or '')}, summed over ranks:")
+        counters = [[f"  {k}", f"{v:g}"] for k, v in s["counters"].items()]
+        lines += _table(counters) if counters else ["  (none)"]
+    return "\n".join(lines)
+
+
+# -- exporter -------------------------------------------------------------------------
+
+
+def _gauge(name: str, doc: str, labels: Sequence[str] = ()) -> GaugeMetricFamily:
+    return GaugeMetricFamily(f"tierstore_store_{name}", doc, labels=list(labels))
+
+
+def facts_metrics(f: Mapping[str, Any]) -> list[Metric]:
+    """Prometheus gauges of :func:`index_facts`."""
+    u = f["usage"]
+    out: list[Metric] = []
+    for name, value, doc in (
+        ("capacity_bytes", u["capacity_bytes"], "Capacity of the store, as recorded in the index."),
+        ("allocated_bytes", u["allocated_bytes"], "Disk space held by allocated regions."),
+        ("used_bytes", f["used_bytes"], "Bytes of committed pages."),
+        ("pages", u["pages"], "Committed pages (index entries)."),
+        ("leases", u["leases"], "Writers' leases outstanding (a writer that died holds one until lease_s)."),
+        ("leased_slots", f["leased_slots"], "Slots handed to writers and not yet committed or given back."),
+        ("page_files", u["files"], "Page files recorded in the index."),
+    ):
+        g = _gauge(name, doc)
+        g.add_metric([], value)
+        out.append(g)
+    regions = _gauge("regions", "Regions by state (used: holding pages of one size).", ["state"])
+    for state in ("used", "free", "hole", "punch", "draining"):
+        regions.add_metric([state], u[f"{state}_regions"])
+    by_size = _gauge("page_size_regions", "Regions in use by page size.", ["page_bytes"])
+    slots = _gauge("slots", "Slots of regions in use, by page size and state (live: committed pages).",
+                   ["page_bytes", "state"])
+    for d in f["page_sizes"]:
+        by_size.add_metric([str(d["page_bytes"])], d["regions"])
+        for state in ("live", "leased", "dead"):
+            slots.add_metric([str(d["page_bytes"]), state], d[state])
+    out += [regions, by_size, slots]
+    if f["index_memory_bytes"] is not None:
+        mem = _gauge("index_memory_bytes", "Memory the index's Redis uses (INFO used_memory).")
+        mem.add_metric([], f["index_memory_bytes"])
+        out.append(mem)
+    return out
+
+
+class StoreCollector:
+    """Reads the store's index at scrape time (at most once per ``interval_s``): usage and
+    page sizes stream the index in bounded steps. Keeps the store joined between scrapes and
+    joins it again after any failure, so the exporter may start before the store does."""
+
+    def __init__(self, cfg: TierStoreConfig, start_redis: bool, interval_s: float,
+                 clock: Callable[[], float] = mod_time.monotonic) -> None:
+        self.cfg = cfg
+        self.start_redis = start_redis
+        self.interval_s = interval_s
+        self.clock = clock
+        self._opened: Optional[Opened] = None
+        self._last: tuple[float, list[Metric]] = (-float("inf"), [])
+        self._why = ""
+        self._lock = threading.Lock()
+
+    def collect(self) -> Iterable[Metric]:
+        with self._lock:
+            now = self.clock()
+            if now - self._last[0] >= self.interval_s or not self._last[1]:
+                self._last = (now, self._read())
+            return list(self._last[1])
+
+    def _read(self) -> list[Metric]:
+        up = _gauge("up", "1: the store was read for this scrape; 0: no store yet, or its index or "
+                          "directories cannot be reached (the exporter logs why).")
+        try:
+            if self._opened is None:
+                self._opened = open_store(self.cfg, self.start_redis)
+            metrics = facts_metrics(index_facts(self._opened.store))
+        except (CliError, TierStoreError, OSError) as e:
+            self._failed(str(e))
+            up.add_metric([], 0)
+            return [up]
+        if self._why:
+            logger.warning("tierstore exporter: store %s read again", self._opened.store_id)
+            self._why = ""
+        up.add_metric([], 1)
+        return [up, *metrics]
+
+    def _failed(self, why: str) -> None:
+        if why != self._why:
+            logger.warning("tierstore exporter: %s", why)
+            self._why = why
+        self.close()
+
+    def close(self) -> None:
+        if self._opened is not None:
+            self._opened.close()
+            self._opened = None
+
+
+def run_exporter(cfg: TierStoreConfig, port: int, addr: str, interval_s: float, start_redis: bool) -> int:
+    redis_password(cfg.redis_password_env, cfg.redis_password_file)  # config errors now, not at each scrape
+    redis_tls(cfg.redis_tls_ca_file, cfg.redis_tls_cert_file, cfg.redis_tls_key_file)
+    collector = StoreCollector(cfg, start_redis, interval_s)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    try:
+        start_http_server(port, addr, registry=registry)
+    except OSError as e:
+        raise CliError(UNREACHABLE, f"cannot listen on {addr}:{port}: {e}") from None
+    print(f"tierstore exporter: store under {', '.join(cfg.path)} (prefix {cfg.redis_prefix!r}) "
+          f"on http://{addr}:{port}/metrics", file=sys.stderr, flush=True)
+    try:
+        threading.Event().wait()  # serves until killed
+    except KeyboardInterrupt:
+        pass
+    finally:
+        collector.close()
+    return OK
+
+
+# -- commands -------------------------------------------------------------------------
+
+
+def _stats(args: argparse.Namespace, cfg: TierStoreConfig) -> int:
+    counters = server_counters(args.metrics_url) if args.metrics_url else None
+    o = open_store(cfg, args.start_redis)
+    try:
+        s = gather_stats(o, cfg, counters)
+    finally:
+        o.close()
+    print(json.dumps(s, indent=2) if args.json else render_stats(s, cfg, args.metrics_url))
+    return OK
+
+
+def _check(args: argparse.Namespace, cfg: TierStoreConfig) -> int:
+    o = open_store(cfg, args.start_redis)
+    try:
+        verify = not args.no_verify
+        problems = o.store.check(fix=args.fix, verify_pages=verify)
+        for p in problems:
+            print(p)
+        if args.fix and problems:
+            found, problems = len(problems), o.store.check(fix=False, verify_pages=verify)
+            print(f"{found} problem(s) found and fixed where possible; {len(problems)} remain")
+            for p in problems:
+                print(f"remains: {p}")
+    finally:
+        o.close()
+    print(f"store {o.store_id}: {len(problems)} problem(s)" if problems else f"store {o.store_id}: no problems")
+    return PROBLEMS if problems else OK
+
+
+def _confirm(question: str) -> bool:
+    if not sys.stdin.isatty():
+        raise CliError(USAGE, "clear asks before it deletes, and there is no terminal to ask on: pass --yes")
+    try:
+        answer = input(f"{question} [y/N] ")
+    except EOFError:
+        return False
+    return answer.strip().lower() in ("y", "yes")
+
+
+def _clear(args: argparse.Namespace, cfg: TierStoreConfig) -> int:
+    o = open_store(cfg, args.start_redis)
+    try:
+        known = o.store.namespace_descriptions()
+        chosen = sorted(set(args.namespace or known))
+        unknown = [ns for ns in chosen if ns not in known]
+        if unknown:
+            raise CliError(USAGE, f"unknown namespace(s) {', '.join(unknown)}; store {o.store_id} has: "
+                                  f"{', '.join(sorted(known)) or 'none'}")
+        if not chosen:
+            print(f"store {o.store_id} has no namespaces: nothing to clear")
+            return OK
+        pages = o.store.pages_by_namespace()
+        what = "every namespace" if not args.namespace else f"namespace(s) {', '.join(chosen)}"
+        question = (f"Drop {sum(pages.get(ns, 0) for ns in chosen)} pages of {what} from store {o.store_id} "
+                    f"under {', '.join(cfg.path)}?")
+        if not args.yes and not _confirm(question):
+            print("nothing dropped")
+            return DECLINED
+        dropped = o.store.clear([Namespace(ns, bytes.fromhex(ns), *known[ns]) for ns in chosen])
+    finally:
+        o.close()
+    print(f"dropped {dropped} pages of {what}")
+    return OK
+
+
+def _redis(args: argparse.Namespace, cfg: TierStoreConfig) -> int:
+    if cfg.redis_url is not None:
+        raise CliError(USAGE, f"config key 'redis_url' is set ({redact_url(cfg.redis_url)}): `tierstore redis` runs "
+                              "only the embedded Redis, used when redis_url is unset")
+    path = cfg.path[0]
+    if args.action == "start":
+        check_dirs(cfg.path[:1], modes(cfg.file_access))
+        started = ensure_embedded_redis(path, modes(cfg.file_access), cfg.redis_server).started
+        print(f"embedded Redis of {path}: {'started' if started else 'already running'}")
+    elif args.action == "stop":
+        running = embedded_running(path)
+        stop_embedded_redis(path)
+        print(f"embedded Redis of {path}: {'stopped' if running else 'not running'}")
+        return OK
+    return _redis_status(cfg, args.json)
+
+
+def _redis_status(cfg: TierStoreConfig, as_json: bool) -> int:
+    path = cfg.path[0]
+    status: dict[str, Any] = {"path": path, "running": embedded_running(path), "socket": socket_path(path),
+                              "log": os.path.join(redis_dir(path), "redis.log")}
+    if status["running"]:
+        status["pid"] = _pid(path)
+        idx = _index(cfg, index_url(cfg, False)[0])
+        try:
+            status["used_memory_bytes"] = idx.memory_used()
+        except IndexUnavailable as e:
+            raise CliError(UNREACHABLE, f"the embedded Redis of {path} does not answer: {e}") from None
+        finally:
+            idx.close()
+    if as_json:
+        print(json.dumps(status, indent=2))
+    else:
+        rows = [["embedded Redis", f"{path}: {'running' if status['running'] else 'not running'}"]]
+        if status["running"]:
+            rows += [["pid", status["pid"]], ["memory", _size(status["used_memory_bytes"]) + " used"]]
+        rows += [["socket", status["socket"]], ["log", status["log"]]]
+        print("\n".join(_table(rows, left=frozenset({0, 1}))))
+    return OK if status["running"] else UNREACHABLE
+
+
+def _pid(path: str) -> Optional[int]:
+    try:
+        with open(pid_file(path)) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _exporter(args: argparse.Namespace, cfg: TierStoreConfig) -> int:
+    return run_exporter(cfg, args.port, args.addr, args.interval, args.start_redis)
+
+
+# -- arguments ------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tierstore",
+        description="Look at, check, clear and export a node's tierstore; run its embedded Redis. "
+                    "Exit codes: 0 done, 1 problems found, 2 bad usage or config, 3 index, Redis, directory or "
+                    "metrics URL unreachable, 4 no store there, 5 clear not confirmed.",
+    )
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--config", default=os.environ.get(CONFIG_ENV),
+                        help=f"the JSON given to SGLang's --hicache-storage-backend-extra-config, inline or @file "
+                             f"(.json, .toml, .yaml); default ${CONFIG_ENV}")
+    joins = argparse.ArgumentParser(add_help=False, parents=[common])
+    joins.add_argument("--start-redis", action="store_true",
+                       help="start the embedded Redis if it is not running (default: report it and stop)")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("stats", parents=[joins], help="capacity, usage, page sizes, namespaces, Redis memory")
+    s.add_argument("--json", action="store_true", help="print JSON")
+    s.add_argument("--metrics-url", metavar="URL", help="a server's /metrics, to show its tierstore counters")
+    s.set_defaults(run=_stats)
+
+    c = sub.add_parser("check", parents=[joins], help="compare the index with itself and the page files")
+    c.add_argument("--fix", action="store_true", help="drop entries that do not verify, then check again")
+    c.add_argument("--no-verify", action="store_true", help="do not read pages to compare their checksums")
+    c.set_defaults(run=_check)
+
+    cl = sub.add_parser("clear", parents=[joins], help="drop the pages of some namespaces, or of all")
+    cl.add_argument("--namespace", action="append", metavar="ID", help="a namespace id (from stats); repeatable")
+    cl.add_argument("--yes", action="store_true", help="do not ask (needed without a terminal)")
+    cl.set_defaults(run=_clear)
+
+    r = sub.add_parser("redis", parents=[common], help="start, stop or show the embedded Redis")
+    r.add_argument("action", choices=("start", "stop", "status"))
+    r.add_argument("--json", action="store_true", help="status as JSON")
+    r.set_defaults(run=_redis)
+
+    sub.add_parser("plan", add_help=False, help="the residency planner (tierstore plan --help)")
+
+    e = sub.add_parser("exporter", parents=[joins], help="serve index-level gauges for Prometheus")
+    e.add_argument("--port", type=int, required=True)
+    e.add_argument("--addr", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    e.add_argument("--interval", type=float, default=0.0, metavar="S",
+                   help="read the index at most once per S seconds, whatever the scrape rate (default: every scrape)")
+    e.set_defaults(run=_exporter)
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    if args_in[:1] == ["plan"]:
+        return plan.main(args_in[1:])
+    args = _parser().parse_args(args_in)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    try:
+        cfg = load_config(args.config)
+        return int(args.run(args, cfg))
+    except CliError as e:
+        return _fail(e.code, str(e))
+    except ConfigError as e:
+        return _fail(USAGE, str(e))
+    except NoStore as e:
+        return _fail(NO_STORE, str(e))
+    except (TierStoreError, OSError) as e:
+        return _fail(UNREACHABLE, str(e))
+
+
+def _fail(code: int, message: str) -> int:
+    print(f"tierstore: {message.removeprefix('tierstore: ').removeprefix('tierstore ')}", file=sys.stderr)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
