@@ -51,7 +51,7 @@ from sglang_tierstore.embedded import (
 )
 from sglang_tierstore.errors import ConfigError, IndexUnavailable, NoStore, TierStoreError
 from sglang_tierstore.index import RedisIndex
-from sglang_tierstore.private import check_dirs, modes, redis_password, redis_tls
+from sglang_tierstore.private import check_dirs, modes, redis_password, redis_tls, remove_created
 from sglang_tierstore.store import Namespace, TierStore
 
 logger = logging.getLogger(__name__)
@@ -278,7 +278,7 @@ def render_stats(s: dict[str, Any], cfg: TierStoreConfig, metrics_url: Optional[
                      "http://HOST:PORT/metrics reads a server's")
     else:
         lines.append(f"counters from {redact_url(metrics_url or '')}, summed over ranks:")
-        counters = [[f"  {k}", f"{v:g}"] for k, v in s["counters"].items()]
+        counters = [[f"  {k}", f"{v:.0f}" if v.is_integer() else f"{v:g}"] for k, v in s["counters"].items()]
         lines += _table(counters) if counters else ["  (none)"]
     return "\n".join(lines)
 
@@ -343,7 +343,7 @@ class StoreCollector:
     def collect(self) -> Iterable[Metric]:
         with self._lock:
             now = self.clock()
-            if now - self._last[0] >= self.interval_s or not self._last[1]:
+            if now - self._last[0] >= self.interval_s:
                 self._last = (now, self._read())
             return list(self._last[1])
 
@@ -471,8 +471,12 @@ def _redis(args: argparse.Namespace, cfg: TierStoreConfig) -> int:
                               "only the embedded Redis, used when redis_url is unset")
     path = cfg.path[0]
     if args.action == "start":
-        check_dirs(cfg.path[:1], modes(cfg.file_access))
-        started = ensure_embedded_redis(path, modes(cfg.file_access), cfg.redis_server).started
+        created = check_dirs(cfg.path[:1], modes(cfg.file_access))
+        try:
+            started = ensure_embedded_redis(path, modes(cfg.file_access), cfg.redis_server).started
+        except BaseException:  # a failed start leaves nothing behind
+            remove_created(created)
+            raise
         print(f"embedded Redis of {path}: {'started' if started else 'already running'}")
     elif args.action == "stop":
         running = embedded_running(path)
@@ -560,7 +564,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("plan", add_help=False, help="the residency planner (tierstore plan --help)")
 
     e = sub.add_parser("exporter", parents=[joins], help="serve index-level gauges for Prometheus")
-    e.add_argument("--port", type=int, required=True)
+    e.add_argument("--port", type=int, required=True, help="port to serve /metrics on")
     e.add_argument("--addr", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
     e.add_argument("--interval", type=float, default=0.0, metavar="S",
                    help="read the index at most once per S seconds, whatever the scrape rate (default: every scrape)")

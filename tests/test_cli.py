@@ -304,6 +304,14 @@ def test_redis_start_status_stop(embedded_conf: dict[str, Any], capsys: pytest.C
     assert code == cli.USAGE and "redis_url" in err and ":pw@" not in err
 
 
+def test_a_redis_start_that_fails_leaves_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "new" / "store"
+    conf = {"path": str(path), "redis_server": str(tmp_path / "no-such-server")}
+    code, _, err = run(capsys, "redis", "start", "--config", json.dumps(conf))
+    assert code == cli.UNREACHABLE and "no-such-server" in err
+    assert not (tmp_path / "new").exists()
+
+
 def test_plan_is_the_residency_planner(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:
         cli.main(["plan", "--help"])
