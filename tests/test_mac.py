@@ -1,5 +1,6 @@
 """Entry tags: someone who can write to Redis but cannot read the page directory cannot
-make tierstore serve one key's page for another (plain bytes, no torch or SGLang)."""
+make tierstore serve one key's page for another (plain bytes, no torch or SGLang; on
+redis-server and valkey-server)."""
 
 from __future__ import annotations
 
@@ -21,16 +22,16 @@ from sglang_tierstore.store import TierStore
 
 
 @pytest.fixture(params=[0, 30], ids=["direct", "staged"])
-def cfg(tmp_path: Path, redis_proc: RedisProc, request: pytest.FixtureRequest) -> dict[str, Any]:
+def cfg(tmp_path: Path, server_proc: RedisProc, request: pytest.FixtureRequest) -> dict[str, Any]:
     """Both read paths: straight into the caller's buffers, and staged (``read_timeout_s``)."""
-    return {"path": str(tmp_path / "store"), "redis_url": redis_proc.url, "redis_prefix": "m-" + uuid.uuid4().hex[:10],
+    return {"path": str(tmp_path / "store"), "redis_url": server_proc.url, "redis_prefix": "m-" + uuid.uuid4().hex[:10],
             "capacity_gb": 4 * MiB / (1 << 30), "io_threads": 2, "read_timeout_s": request.param}
 
 
 @pytest.fixture
-def attacker(redis_proc: RedisProc) -> Iterator[redis.Redis]:
+def attacker(server_proc: RedisProc) -> Iterator[redis.Redis]:
     """A client that can write to the index (and nothing else)."""
-    r = redis.Redis.from_url(redis_proc.url)
+    r = redis.Redis.from_url(server_proc.url)
     yield r
     r.close()
 

@@ -210,10 +210,10 @@ def test_every_directory_and_file_has_the_mode_whatever_the_umask(
 # -- the embedded index is ours or refused -----------------------------------------------------
 
 
-def test_the_embedded_redis_requires_its_password(tmp_path: Path) -> None:
+def test_the_embedded_redis_requires_its_password(tmp_path: Path, server: str) -> None:
     root = tmp_path / "store"
     try:
-        with TierStoreBackend(storage_config({"path": str(root), "capacity_gb": 0.1}), {}):
+        with TierStoreBackend(storage_config({"path": str(root), "capacity_gb": 0.1, "redis_server": server}), {}):
             secret = (Path(redis_dir(str(root))) / "secret").read_text().strip()
             with socket.socket(socket.AF_UNIX) as s:
                 s.connect(socket_path(str(root)))
@@ -227,14 +227,15 @@ def test_the_embedded_redis_requires_its_password(tmp_path: Path) -> None:
         stop_embedded(root)
 
 
-def test_an_embedded_redis_of_a_build_before_passwords_is_restarted_with_its_data_and_a_password(tmp_path: Path) -> None:
+def test_an_embedded_redis_of_a_build_before_passwords_is_restarted_with_its_data_and_a_password(
+        tmp_path: Path, server: str) -> None:
     """An upgraded node: the embedded Redis an earlier build started (no password) still
     runs. The new build stops it (AOF synced) and starts it with the password; the data stays."""
     root = tmp_path / "store"
     d = Path(redis_dir(str(root)))
     d.mkdir(parents=True, mode=0o700)
     sock = socket_path(str(root))
-    subprocess.run(["redis-server", "--port", "0", "--unixsocket", sock, "--unixsocketperm", "700", "--dir", str(d),
+    subprocess.run([server, "--port", "0", "--unixsocket", sock, "--unixsocketperm", "700", "--dir", str(d),
                     "--appendonly", "yes", "--save", "", "--daemonize", "yes", "--pidfile", pid_file(str(root))], check=True)
     try:
         old = redis.Redis(unix_socket_path=sock)
@@ -245,7 +246,7 @@ def test_an_embedded_redis_of_a_build_before_passwords_is_restarted_with_its_dat
             time.sleep(0.05)
         old_pid = int(old.info("server")["process_id"])
         old.close()
-        url = ensure_embedded_redis(str(root), PRIVATE).url
+        url = ensure_embedded_redis(str(root), PRIVATE, server).url
         new = redis.Redis.from_url(url)
         assert new.get("kept") == b"yes" and int(new.info("server")["process_id"]) != old_pid
         new.close()
@@ -254,7 +255,7 @@ def test_an_embedded_redis_of_a_build_before_passwords_is_restarted_with_its_dat
         other = "ab" * 32
         (d / "secret").write_text(other)  # the server now wants a password this store does not hold
         with pytest.raises(EmbeddedRedisError, match="refuses the password") as e:
-            ensure_embedded_redis(str(root), PRIVATE)
+            ensure_embedded_redis(str(root), PRIVATE, server)
         assert other not in str(e.value)
     finally:
         stop_embedded(root)
@@ -316,6 +317,19 @@ def test_an_impostor_on_the_socket_is_refused(tmp_path: Path) -> None:
 
 
 # -- secrets never logged -----------------------------------------------------------------------
+
+
+def test_a_server_that_refuses_its_config_is_quoted_without_the_password(tmp_path: Path) -> None:
+    """Redis and Valkey quote the config line at fault when they refuse one: the error shows
+    what the server said, with the password (a line of that config) masked."""
+    refusing = tmp_path / "refusing-server"
+    refusing.write_text('#!/bin/sh\necho "*** FATAL CONFIG FILE ERROR ***" >&2; cat "$1" >&2; exit 1\n')
+    refusing.chmod(0o700)
+    root = tmp_path / "store"
+    with pytest.raises(EmbeddedRedisError, match=r"(?s)starting the embedded index failed: .*FATAL CONFIG FILE ERROR"
+                                                  r".*requirepass \*\*\*") as e:
+        ensure_embedded_redis(str(root), PRIVATE, str(refusing))
+    assert (Path(redis_dir(str(root))) / "secret").read_text().strip() not in str(e.value)
 
 
 def test_a_password_is_never_logged(tmp_path: Path, private_redis: RedisProc, caplog: Any) -> None:
