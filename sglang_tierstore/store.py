@@ -138,7 +138,8 @@ _Page = tuple[int, int, int]  # (position in the batch, file number, byte offset
 class TierStore:
     """Verified page store over one Redis index and one set of page directories."""
 
-    def __init__(self, cfg: TierStoreConfig, redis_url: str, clock: Callable[[], float] = mod_time.time) -> None:
+    def __init__(self, cfg: TierStoreConfig, redis_url: str, clock: Callable[[], float] = mod_time.time,
+                 metrics: Optional[Metrics] = None) -> None:
         self.cfg = cfg
         self.modes = modes(cfg.file_access)
         self.clock = clock
@@ -146,7 +147,7 @@ class TierStore:
         tls = redis_tls(cfg.redis_tls_ca_file, cfg.redis_tls_cert_file, cfg.redis_tls_key_file)
         self.index = RedisIndex(redis_url, cfg.redis_timeout_s, cfg.redis_retry_s, clock, password, tls)
         self.io = IOEngine(cfg.io_threads)
-        self.metrics = Metrics()
+        self.metrics = metrics if metrics is not None else Metrics()
         self.log = RateLimitedLog(logger, cfg.log_interval_s)
         self._token = secrets.token_hex(6)
         self._att: Optional[_Attached] = None
