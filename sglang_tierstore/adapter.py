@@ -36,6 +36,7 @@ from sglang_tierstore.embedded import embedded_running, ensure_embedded_redis, r
 from sglang_tierstore.errors import IndexUnavailable, StoreDetached, TierStoreError
 from sglang_tierstore.eviction import Housekeeper
 from sglang_tierstore.hostmem import PagePlan, tensor_bytes
+from sglang_tierstore.metrics import Metrics
 from sglang_tierstore.private import check_dirs, modes, redis_password, redis_tls, remove_created
 from sglang_tierstore.store import Namespace, TierStore
 
@@ -95,6 +96,13 @@ def _geometry(pool: Any) -> tuple[tuple[str, object], ...]:
     return tuple((n, getattr(pool, n)) for n in names if hasattr(pool, n))
 
 
+def _rank(c: HiCacheStorageConfig) -> dict[str, int]:
+    """The rank labels of this backend's Prometheus series: the ranks SGLang's own
+    storage series carry (its storage config's ``tp_rank``, with DP attention the
+    rank within the attention group, and ``dp_rank``), one scheduler process each."""
+    return {"tp_rank": c.tp_rank, "pp_rank": c.pp_rank, "dp_rank": c.dp_rank}
+
+
 def _leading(flags: List[bool]) -> int:
     return next((i for i, f in enumerate(flags) if not f), len(flags))
 
@@ -117,7 +125,7 @@ class TierStoreBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
                 url, started = ensure_embedded_redis(self.cfg.path[0], self.modes, self.cfg.redis_server)
             else:
                 url = self.cfg.redis_url
-            self.store = TierStore(self.cfg, url)
+            self.store = TierStore(self.cfg, url, metrics=Metrics(_rank(storage_config)))
         except BaseException:  # a failed start leaves nothing behind: what it started, what it created
             if started:
                 stop_embedded_redis(self.cfg.path[0])

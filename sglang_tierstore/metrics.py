@@ -1,8 +1,17 @@
 """Counters (Prometheus and per-store), and rate-limited logging of failures.
 
-Prometheus metrics are process-wide (one registry per process; SGLang's /metrics
-serves them with --enable-metrics). Each store also keeps its own counts, which
-``TierStore.stats()`` returns and tests read.
+Prometheus metrics live in the process's default registry. Under SGLang with
+``--enable-metrics`` that is multiprocess mode: SGLang sets
+``PROMETHEUS_MULTIPROC_DIR`` before it spawns its scheduler processes (one per
+TP/PP/DP rank, each running its own backend), so their counters and histograms
+are written to files there, and the ``/metrics`` endpoint (in the HTTP server's
+process) reads every process's files and sums series with equal labels. Each
+series therefore carries the rank labels SGLang's own storage and radix-cache
+series use (:data:`RANK_LABELS`): without them /metrics would show the sum over
+ranks, and with them a rank's tierstore series join its ``sglang:`` series.
+There are no gauges (multiprocess mode would need an aggregation for each).
+
+Each store also keeps its own counts, which ``TierStore.stats()`` returns and tests read.
 """
 
 from __future__ import annotations
@@ -11,56 +20,69 @@ import logging
 import threading
 import time as mod_time
 from collections import Counter as _Counter
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 from prometheus_client import Counter, Histogram
+
+RANK_LABELS = ("tp_rank", "pp_rank", "dp_rank")
+"""Which scheduler a series comes from; empty for a store used outside SGLang."""
 
 PAGES = Counter(
     "tierstore_pages_total",
     "Pages handled by tierstore, by operation and outcome.",
-    ["op", "outcome"],
+    ["op", "outcome", *RANK_LABELS],
 )
-BYTES = Counter("tierstore_bytes_total", "Page bytes moved to or from page files.", ["op"])
-ERRORS = Counter("tierstore_errors_total", "Failures turned into misses or failed writes, by kind.", ["kind"])
+BYTES = Counter("tierstore_bytes_total", "Page bytes moved to or from page files.", ["op", *RANK_LABELS])
+ERRORS = Counter("tierstore_errors_total", "Failures turned into misses or failed writes, by kind.", ["kind", *RANK_LABELS])
 HOUSEKEEPING = Counter(
-    "tierstore_housekeeping_total", "Slots moved by housekeeping: leases reclaimed, pages evicted, quarantines released.", ["action"]
+    "tierstore_housekeeping_total",
+    "Slots moved by housekeeping: leases reclaimed, pages evicted, quarantines released.",
+    ["action", *RANK_LABELS],
 )
 LATENCY = Histogram(
     "tierstore_batch_seconds",
     "Wall time of one batch call, by operation.",
-    ["op"],
+    ["op", *RANK_LABELS],
     buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0),
 )
 
 
 class Metrics:
-    """Per-store counts mirrored into the process-wide Prometheus metrics."""
+    """Per-store counts mirrored into the process-wide Prometheus metrics.
 
-    def __init__(self) -> None:
+    ``rank`` gives the values of :data:`RANK_LABELS` (SGLang's ranks of the
+    scheduler that owns the store); labels it leaves out are empty.
+    """
+
+    def __init__(self, rank: Optional[Mapping[str, int]] = None) -> None:
+        unknown = set(rank or ()) - set(RANK_LABELS)
+        if unknown:
+            raise ValueError(f"unknown rank labels {sorted(unknown)}; known: {', '.join(RANK_LABELS)}")
+        self.rank: dict[str, str] = {k: str((rank or {}).get(k, "")) for k in RANK_LABELS}
         self._lock = threading.Lock()
         self.counts: _Counter[str] = _Counter()
 
     def pages(self, op: str, outcome: str, n: int = 1) -> None:
         if n:
-            PAGES.labels(op, outcome).inc(n)
+            PAGES.labels(op=op, outcome=outcome, **self.rank).inc(n)
             self._add(f"{op}_{outcome}", n)
 
     def bytes(self, op: str, n: int) -> None:
         if n:
-            BYTES.labels(op).inc(n)
+            BYTES.labels(op=op, **self.rank).inc(n)
             self._add(f"{op}_bytes", n)
 
     def error(self, kind: str, n: int = 1) -> None:
-        ERRORS.labels(kind).inc(n)
+        ERRORS.labels(kind=kind, **self.rank).inc(n)
         self._add(f"error_{kind}", n)
 
     def housekeeping(self, action: str, n: int) -> None:
         if n:
-            HOUSEKEEPING.labels(action).inc(n)
+            HOUSEKEEPING.labels(action=action, **self.rank).inc(n)
             self._add(action, n)
 
     def observe(self, op: str, seconds: float) -> None:
-        LATENCY.labels(op).observe(seconds)
+        LATENCY.labels(op=op, **self.rank).observe(seconds)
 
     def _add(self, name: str, n: int) -> None:
         with self._lock:

@@ -139,10 +139,11 @@ class TierStore:
     """Verified page store over one Redis index and one set of page directories."""
 
     def __init__(self, cfg: TierStoreConfig, redis_url: str, clock: Callable[[], float] = mod_time.time,
-                 startup: bool = True) -> None:
+                 startup: bool = True, metrics: Optional[Metrics] = None) -> None:
         """``startup``: this process owns the store's settings, so its first attach may
         re-format the store for ``cfg.capacity_gb`` and records that capacity (a server).
-        False: join the store as it is (an operator's tool, whose config may differ)."""
+        False: join the store as it is (an operator's tool, whose config may differ).
+        ``metrics``: the caller's (labelled by rank), else the store's own."""
         self.cfg = cfg
         self.modes = modes(cfg.file_access)
         self.clock = clock
@@ -150,7 +151,7 @@ class TierStore:
         tls = redis_tls(cfg.redis_tls_ca_file, cfg.redis_tls_cert_file, cfg.redis_tls_key_file)
         self.index = RedisIndex(redis_url, cfg.redis_timeout_s, cfg.redis_retry_s, clock, password, tls)
         self.io = IOEngine(cfg.io_threads)
-        self.metrics = Metrics()
+        self.metrics = metrics if metrics is not None else Metrics()
         self.log = RateLimitedLog(logger, cfg.log_interval_s)
         self._token = secrets.token_hex(6)
         self._att: Optional[_Attached] = None

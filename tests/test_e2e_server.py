@@ -2,7 +2,8 @@
 
 Each server takes about a minute to start on 2 cores, so the module starts as
 few as the claims allow: a reference server without HiCache, servers A and B
-sharing one store, A again after a restart, and one under fault injection.
+sharing one store, A again after a restart, one under fault injection, and one
+with two TP ranks and --enable-metrics.
 """
 
 from __future__ import annotations
@@ -13,11 +14,14 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import dashboard
 import pytest
 import redis
+import requests
 from conftest import RedisProc, free_port
 from cpu_harness import tiny_model
-from cpu_harness.server import Server, conversation, cpu_args, tierstore_config
+from cpu_harness.server import Server, conversation, cpu_args, tierstore_config, tp_env
+from prometheus_client.parser import text_string_to_metric_families
 
 PROMPTS = conversation(3)
 
@@ -139,3 +143,80 @@ def test_fault_injection_and_redis_outage_keep_outputs_identical(
             assert "redis unavailable" in log  # the outage was seen, logged, and survived
     finally:
         redis_proc.stop()
+
+
+Scrape = dict[str, list[dict[str, str]]]  # sample name -> the labels of each of its series
+
+
+def scrape(s: Server) -> tuple[Scrape, dict[tuple[str, frozenset[tuple[str, str]]], float]]:
+    r = requests.get(s.url + "/metrics", timeout=30)
+    r.raise_for_status()
+    series: Scrape = {}
+    values = {}
+    for fam in text_string_to_metric_families(r.text):
+        for x in fam.samples:
+            series.setdefault(x.name, []).append(x.labels)
+            values[(x.name, frozenset(x.labels.items()))] = x.value
+    return series, values
+
+
+def test_two_tp_ranks_report_tierstore_and_storage_metrics_in_the_servers_metrics(
+    model: str, logdir: Path, redis_proc: RedisProc, tmp_path: Path
+) -> None:
+    """SGLang's /metrics runs in multiprocess mode: each TP rank's scheduler writes its own
+    tierstore series, labelled by rank, and its get_stats() feeds SGLang's storage histograms."""
+    cfg = tierstore_config(redis_url=redis_proc.url, redis_prefix="tp2-" + uuid.uuid4().hex[:8],
+                           path=str(tmp_path / "store"), capacity_gb=0.5)
+    args = [*cpu_args(cfg), "--tp", "2", "--enable-metrics"]
+    with Server(model, free_port(), str(logdir / "tp2-metrics.log"), args, env=tp_env(2)) as s:
+        s.wait_ready()
+        chat(s)
+        chat(s)  # second hit: backed up
+        wait_for_backup(cfg)
+        s.flush()
+        assert chat(s)[1][0].get("storage", 0) > 0
+        # SGLang hands get_stats() to its collector on each scheduler step: wait until it did
+        deadline = time.monotonic() + 30
+        while True:
+            series, values = scrape(s)
+            try:
+                check_rank_metrics(values)
+                break
+            except AssertionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+    tierstore = [labels for name, each in series.items() if name.startswith("tierstore_") for labels in each]
+    assert tierstore and {(x.get("tp_rank"), x.get("pp_rank"), x.get("dp_rank")) for x in tierstore} == {("0", "0", "0"), ("1", "0", "0")}
+    assert any(x.get("cache_source") == "storage" for x in series["sglang:cached_tokens_total"])
+    # every series the Grafana dashboard selects is served, with the labels it uses
+    # (tierstore_errors_total appears with the first error: none here)
+    for where, expr in dashboard.queries(dashboard.load()):
+        for ref in dashboard.refs(expr):
+            if ref.name == "tierstore_errors_total":
+                continue
+            assert ref.name in series, f"{where}: /metrics has no {ref.name}"
+            served = set().union(*map(set, series[ref.name]))
+            assert ref.labels - dashboard.SCRAPE_LABELS <= served, f"{where}: {ref.name} lacks {ref.labels - served}"
+
+
+def check_rank_metrics(values: dict[tuple[str, frozenset[tuple[str, str]]], float]) -> None:
+    """Each rank's pages, as tierstore counted them and as SGLang's histograms got them."""
+    for r in ("0", "1"):
+        ours = {"tp_rank": r, "pp_rank": "0", "dp_rank": "0"}
+        theirs = {"storage_backend": "dynamic", "tp_rank": r, "dp_rank": "0", "pp_rank": "0", "pp_size": "1",
+                  "attn_cp_rank": "0", "attn_cp_size": "1"}
+
+        def v(name: str, labels: dict[str, str]) -> float:
+            return values.get((name, frozenset(labels.items())), 0.0)
+
+        stored = v("tierstore_pages_total", {"op": "write", "outcome": "stored", **ours})
+        read = v("tierstore_pages_total", {"op": "read", "outcome": "hit", **ours})
+        assert stored > 0 and read > 0 and v("tierstore_pages_total", {"op": "probe", "outcome": "hit", **ours}) >= read
+        assert v("tierstore_bytes_total", {"op": "read", **ours}) > 0
+        assert v("tierstore_batch_seconds_count", {"op": "read", **ours}) == v("sglang:prefetch_pgs_count", theirs) > 0
+        # one rank's pages, not the sum over ranks: SGLang's histograms are per rank
+        assert v("sglang:prefetch_pgs_sum", theirs) == read
+        exists = v("tierstore_pages_total", {"op": "write", "outcome": "exists", **ours})
+        assert v("sglang:backup_pgs_sum", theirs) == stored + exists
+        assert v("sglang:prefetch_bandwidth_count", theirs) > 0 and v("sglang:backup_bandwidth_count", theirs) > 0

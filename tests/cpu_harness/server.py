@@ -48,6 +48,24 @@ def tierstore_config(**overrides: Any) -> dict[str, Any]:
 CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
+def tp_env(tp: int) -> dict[str, str]:
+    """What ``--tp N`` needs on CPU besides the shim, one fact each:
+    - one core list per rank in SGLANG_CPU_OMP_THREADS_BIND (SGLang refuses more ranks
+      than NUMA nodes without it): here rank i gets the i-th core this process may use;
+    - no NCCL: the torch wheel here ships libnccl, and SGLang then builds a PyNccl
+      communicator for every group, which needs CUDA; with SGLANG_NCCL_SO_PATH pointing
+      at nothing it skips it, as on a CPU-only torch (the groups themselves are gloo);
+    - TORCH_COMPILE_DISABLE: with tp > 1 the vocabulary embedding's masking goes through
+      torch.compile, whose C++ build takes a minute per rank on the first request.
+    """
+    cores = sorted(os.sched_getaffinity(0))
+    return {
+        "SGLANG_CPU_OMP_THREADS_BIND": "|".join(str(cores[i % len(cores)]) for i in range(tp)),
+        "SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so.2",
+        "TORCH_COMPILE_DISABLE": "1",
+    }
+
+
 class Server:
     """One server process. ``cpu`` (default) runs it under the CPU shim; ``args`` are its flags."""
 
