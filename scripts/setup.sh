@@ -5,9 +5,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 
-# redis-server for the index; libfuse2 for tests/test_stall.py's FUSE disk (libfuse2t64 from Debian 13 on)
+# redis-server for the index; libfuse2 for tests/test_stall.py's FUSE disk (libfuse2t64 from Debian 13 on);
+# systemd for systemd-analyze, which tests/test_deploy.py runs on deploy/systemd/
 apt_need=()
 command -v redis-server >/dev/null 2>&1 || apt_need+=(redis-server)
+command -v systemd-analyze >/dev/null 2>&1 || apt_need+=(systemd)
 ldconfig -p | grep 'libfuse\.so\.2 ' >/dev/null || apt_need+=(libfuse2)  # grep -q would SIGPIPE ldconfig under pipefail
 if [ ${#apt_need[@]} -gt 0 ]; then
   SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
