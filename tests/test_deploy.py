@@ -213,8 +213,8 @@ def directives(conf: Path) -> dict[str, str]:
     return out
 
 
-INDEX_CONFS = {"redis": (redis_server, DEPLOY / "redis-tierstore.conf"),
-               "valkey": (valkey_server, DEPLOY / "valkey-tierstore.conf")}
+INDEX_CONFS = {"redis": ("redis-server", DEPLOY / "redis-tierstore.conf"),
+               "valkey": ("valkey-server", DEPLOY / "valkey-tierstore.conf")}
 
 
 def test_the_redis_and_valkey_configs_agree() -> None:
@@ -234,7 +234,7 @@ def test_the_index_config_on_a_real_server(kind: str, root: Path, servers: list[
     say): AOF, noeviction, unix socket only, password required; tierstore's engine works
     through it; a full index fails writes, evicts nothing and still serves reads; the index
     survives a restart."""
-    find_server, conf_file = INDEX_CONFS[kind]
+    server, conf_file = INDEX_CONFS[kind]
     conf = put(root, f"/etc/tierstore/{conf_file.name}", conf_file.read_text())
     (root / "var/lib/tierstore-index").mkdir(parents=True)
     (root / "run/tierstore").mkdir(parents=True)
@@ -244,7 +244,7 @@ def test_the_index_config_on_a_real_server(kind: str, root: Path, servers: list[
     pw_file.chmod(0o600)
 
     def start() -> Index:
-        s = Index([find_server(), str(conf), "-"], root / "run/tierstore/index.sock", root / f"{kind}.log",
+        s = Index([server_path(server), str(conf), "-"], root / "run/tierstore/index.sock", root / f"{kind}.log",
                   stdin=f"requirepass {password}\n")
         servers.append(s)
         return s
