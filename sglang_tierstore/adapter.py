@@ -36,6 +36,7 @@ from sglang_tierstore.embedded import embedded_running, ensure_embedded_redis, r
 from sglang_tierstore.errors import IndexUnavailable, StoreDetached, TierStoreError
 from sglang_tierstore.eviction import Housekeeper
 from sglang_tierstore.hostmem import PagePlan, tensor_bytes
+from sglang_tierstore.io_engine import Gate
 from sglang_tierstore.metrics import Metrics
 from sglang_tierstore.private import check_dirs, modes, redis_password, redis_tls, remove_created
 from sglang_tierstore.store import Namespace, TierStore
@@ -44,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Any])
 IO_STATS_MAX = 4096
+CLOSE_WAIT_S = 10.0  # what close() waits for calls in flight and threads, in all (SGLang gives its own threads 10 s)
 KV = str(PoolName.KV)
 
 
@@ -57,11 +59,15 @@ class _Pool:
 
 
 def _guarded(fallback: Callable[..., Any]) -> Callable[[F], F]:
-    """Turn any exception into ``fallback(*args)``, a counter and a log line."""
+    """Turn any exception into ``fallback(*args)``, a counter and a log line; count the
+    call in flight for :meth:`TierStoreBackend.close` (after which it is ``fallback``)."""
 
     def wrap(fn: F) -> F:
         @functools.wraps(fn)
         def inner(self: "TierStoreBackend", *args: Any, **kwargs: Any) -> Any:
+            if not self._calls.enter():
+                self.store.log.warning("closed", "%s called after close: answering misses", fn.__name__)
+                return fallback(*args, **kwargs)
             try:
                 return fn(self, *args, **kwargs)
             except IndexUnavailable as e:
@@ -75,6 +81,8 @@ def _guarded(fallback: Callable[..., Any]) -> Callable[[F], F]:
             except Exception as e:
                 self.store.metrics.error("internal")
                 self.store.log.exception(f"internal:{fn.__name__}", "%s failed", fn.__name__, exc=e)
+            finally:
+                self._calls.leave()
             return fallback(*args, **kwargs)
 
         return inner  # type: ignore[return-value]
@@ -144,6 +152,7 @@ class TierStoreBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
             if storage_config.enable_storage_metrics else None
         )
         self._closed = False
+        self._calls = Gate()  # SGLang's calls in flight, which close() waits for
         logger.info("tierstore: index %s%s, page files under %s, capacity %.1f GiB", "embedded " if embedded else "",
                     redact_url(url), ", ".join(self.cfg.path), self.cfg.capacity_gb)
 
@@ -374,7 +383,9 @@ class TierStoreBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
 
     @_guarded(lambda *a, **k: None)
     def clear(self) -> None:
-        """Drop every page of this backend's namespaces (other models' pages stay)."""
+        """Drop every page of this backend's namespaces (other models' pages stay).
+        SGLang calls it on ``POST /hicache/storage-backend/clear``; a write in flight may
+        still land afterwards. A failure is logged (SGLang answers 200 all the same)."""
         with self._lock:
             namespaces = [p.ns for p in self._pools.values()]
         n = self.store.clear(namespaces)
@@ -395,11 +406,29 @@ class TierStoreBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
         return self.store.check(fix, verify_pages)
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self.housekeeper.stop()
-        self.store.close()
+        """Release everything: threads, page files, Redis connections, leases. SGLang
+        calls it on ``DELETE /hicache/storage-backend`` (once its storage threads have
+        stopped) and at exit; a new backend may be attached afterwards.
+
+        Calls in flight are waited for, and the threads, at most ``CLOSE_WAIT_S`` in all;
+        later calls are misses and open nothing. Whatever a call stuck on a disk that
+        stopped answering still holds is released when that call returns. The embedded
+        Redis keeps running: the node's other processes share it."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        calls_done = self._calls.close(CLOSE_WAIT_S)
+        hk_done = self.housekeeper.stop(max(0.0, deadline - time.monotonic()))
+        released = self.store.close(max(0.0, deadline - time.monotonic()))
+        if calls_done and hk_done and released:
+            logger.info("tierstore: closed")
+        else:
+            logger.warning("tierstore: closed with work still running after %.0f s (a disk that stopped answering?): "
+                           "calls done %s, housekeeping stopped %s, I/O threads stopped and leases given back %s; "
+                           "what it holds is released when it returns, its leases expire after lease_s",
+                           CLOSE_WAIT_S, calls_done, hk_done, released)
 
     def __enter__(self) -> "TierStoreBackend":
         return self

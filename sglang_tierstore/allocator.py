@@ -1081,14 +1081,24 @@ class Allocator:
             args += [pb, want, int(now_needed)]
         return args
 
-    def release_all(self) -> None:
-        """Give every lease of this process back (on close): its unused slots are not
-        held until they expire."""
+    def release_all(self) -> int:
+        """Give every idle lease of this process back (on close): its unused slots are
+        not held until they expire. A lease whose writer is mid-batch is kept (giving its
+        slots away while its pwritev may still land could overwrite another's page): it
+        expires. Returns how many were kept."""
         with self._lock:
-            leases = list(self._stocks)
-        for lease in leases:
-            for shard in range(self.geometry.shards):
-                self.index.script("COMMIT", self._keys[shard], self._commit_args(lease, (), (), (), 1))
+            stocks = list(self._stocks.values())
+        kept = 0
+        for st in stocks:
+            if not st.lock.acquire(blocking=False):
+                kept += 1
+                continue
+            try:
+                for shard in range(self.geometry.shards):
+                    self.index.script("COMMIT", self._keys[shard], self._commit_args(st.lease, (), (), (), 1))
+            finally:
+                st.lock.release()
+        return kept
 
     # -- pages -----------------------------------------------------------------------
 

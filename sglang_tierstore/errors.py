@@ -41,3 +41,8 @@ class NoStore(TierStoreError, LookupError):
 class FileGone(PageIOError):
     """A page file is provably not the one the index describes any more (deleted,
     replaced, truncated): its pages are gone."""
+
+
+class StoreClosed(TierStoreError, RuntimeError):
+    """The store was closed (the backend was detached or the process is shutting down):
+    it answers nothing more."""

@@ -16,6 +16,7 @@ import threading
 from typing import Callable, Optional
 
 from sglang_tierstore.errors import IndexUnavailable, StoreDetached, TierStoreError
+from sglang_tierstore.io_engine import name_os_thread
 from sglang_tierstore.store import TierStore
 
 MAX_WORK = 256  # regions or leases handled per shard and script call: bounds each call
@@ -58,6 +59,7 @@ class Housekeeper:
             store.log.warning("housekeeping", "housekeeping failed: %s", e)
 
     def _loop(self) -> None:
+        name_os_thread("tierstore-hk")
         while not self._stop.wait(self.store.cfg.housekeeping_s):
             try:
                 self.run_once()
@@ -68,7 +70,10 @@ class Housekeeper:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 5.0) -> bool:
+        """Stop after the pass in progress, waiting for it at most ``timeout`` s (one stuck
+        on a stalled disk ends on its own). True if the thread has exited."""
         self._stop.set()
         if self._thread.is_alive():
-            self._thread.join(timeout=5)
+            self._thread.join(timeout)
+        return not self._thread.is_alive()

@@ -131,6 +131,7 @@ class RedisIndex:
             **_tls_kwargs(url, tls),
         )
         self._scripts: dict[str, tuple[str, str]] = {}  # name -> (sha1, text)
+        self._closed = False
 
     # -- failure handling -----------------------------------------------------
 
@@ -140,6 +141,8 @@ class RedisIndex:
         return self._clock() >= self._down_until
 
     def _call(self, fn: Callable[[], T]) -> T:
+        if self._closed:
+            raise IndexUnavailable("the index connection is closed")
         if not self.available:
             raise IndexUnavailable("redis unavailable (backing off after a failure)")
         try:
@@ -158,6 +161,9 @@ class RedisIndex:
                 self._trip()
                 raise IndexUnavailable(f"redis not serving: {msg}") from e
             raise TierStoreError(f"redis error: {msg}") from e
+        finally:
+            if self._closed:  # closed while this call ran: the connection it used (or opened) goes too
+                self._r.connection_pool.disconnect(inuse_connections=False)
 
     def _trip(self) -> None:
         with self._down_lock:
@@ -292,4 +298,8 @@ class RedisIndex:
         return int(self._call(lambda: self._r.info("memory"))["used_memory"])
 
     def close(self) -> None:
-        self._r.close()
+        """Disconnect; every later call raises :class:`IndexUnavailable`. A call running
+        now is left to finish (no socket is shut under it, so nothing is sent twice by
+        a retry): its connection is dropped when it returns."""
+        self._closed = True
+        self._r.connection_pool.disconnect(inuse_connections=False)

@@ -106,6 +106,7 @@ class PageFiles:
         self.fsync = fsync
         self._open: dict[int, _Open] = {}
         self._lock = threading.Lock()
+        self._closed = False
         for d in self.dirs.values():
             own_dir(d, modes)
 
@@ -179,6 +180,8 @@ class PageFiles:
             if h is not None:
                 h.users += 1
                 return h
+            if self._closed:
+                raise PageIOError(errno.EBADF, f"page file {file_no} not opened: the store is closed")
             rec = self._resolve(file_no)
             if rec is None or rec.state == "l":
                 raise FileGone(errno.ENOENT, f"page file {file_no} is not in the index")
@@ -322,7 +325,11 @@ class PageFiles:
         return out
 
     def close(self) -> None:
-        for f in list(self._open):
+        """Close every file (each once its last I/O has ended); none opens again."""
+        with self._lock:
+            self._closed = True
+            files = list(self._open)
+        for f in files:
             self.forget(f)
 
 

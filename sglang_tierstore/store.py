@@ -53,7 +53,7 @@ from sglang_tierstore import home
 from sglang_tierstore.allocator import EXISTS, STORED, Allocator, CommitResult, Slot, slots_per_region
 from sglang_tierstore.check import check as check_store
 from sglang_tierstore.config import TierStoreConfig
-from sglang_tierstore.errors import FileGone, IndexUnavailable, PageIOError, StoreDetached, TierStoreError
+from sglang_tierstore.errors import FileGone, IndexUnavailable, PageIOError, StoreClosed, StoreDetached, TierStoreError
 from sglang_tierstore.index import RedisIndex
 from sglang_tierstore.io_engine import Gate, IOEngine
 from sglang_tierstore.mac import EntryTags
@@ -157,6 +157,7 @@ class TierStore:
         self._att: Optional[_Attached] = None
         self._att_lock = threading.Lock()
         self._started = not startup
+        self._closed = False
         self._touch: dict[int, dict[int, float]] = {}
         self._lost: dict[int, str] = {}  # file number -> uid: to be forgotten by housekeeping
         self._namespaces: dict[str, Namespace] = {}
@@ -178,6 +179,8 @@ class TierStore:
         if a is not None:
             return a
         with self._att_lock:
+            if self._closed:
+                raise StoreClosed("the store is closed")
             if self._att is None:
                 cfg = self.cfg
                 att = home.attach(self.index, cfg.redis_prefix, cfg.path, cfg.capacity_bytes, cfg.index_shards,
@@ -604,7 +607,9 @@ class TierStore:
 
     def flush_touches(self) -> None:
         """Send batched recency updates: one ZADD XX GT per shard."""
-        a = self.attached()
+        self._flush_touches(self.attached())
+
+    def _flush_touches(self, a: _Attached) -> None:
         with self._lock:
             pending, self._touch = self._touch, {}
         for shard, regions in pending.items():
@@ -817,14 +822,29 @@ class TierStore:
             if n != ns.page_bytes:
                 raise ValueError(f"page buffer for key {k!r} has {n} bytes, namespace pages have {ns.page_bytes}")
 
-    def close(self) -> None:
-        a = self._att
+    def close(self, timeout: Optional[float] = None) -> bool:
+        """Send the last recency updates, give the leases back, close the page files,
+        stop the I/O threads and disconnect from Redis; later calls raise
+        :class:`StoreClosed`. Idempotent.
+
+        Whatever a call still running uses is released when it is done with it: a page
+        file's descriptors after its last I/O, a mid-batch writer's lease when it expires.
+        I/O threads are waited for at most ``timeout`` s (None: as long as they take); one
+        stuck on a disk that stopped answering exits once its call returns. True if
+        everything was released now."""
+        with self._att_lock:
+            if self._closed:
+                return True
+            self._closed = True
+            a, self._att = self._att, None
+        kept = 0
         if a is not None:
             try:
-                self.flush_touches()
-                a.alloc.release_all()
-            except TierStoreError:
-                pass
+                self._flush_touches(a)
+                kept = a.alloc.release_all()
+            except TierStoreError as e:  # the leases expire; recency updates are a hint
+                self.log.warning("close", "giving the leases back on close failed: %s", e)
             a.files.close()
-        self.io.close()
+        stopped = self.io.close(timeout)
         self.index.close()
+        return stopped and not kept

@@ -119,7 +119,9 @@ def workload(st: TierStore, later: list[float], tmp: str) -> None:
     st.set_capacity(2 * MiB)
     housekeep(st)
     os.unlink(sorted(p for d, _, n in os.walk(tmp) for p in (os.path.join(d, x) for x in n) if p.endswith(".pages"))[0])
-    st.attached().files.close()
+    files = st.attached().files
+    for n in files.open_files():  # reopened on the next read: it finds the file gone
+        files.forget(n)
     read(st, ns, ks[-24:])
     housekeep(st)
     st.check(fix=True)

@@ -248,7 +248,9 @@ def test_lost_index_or_lost_files_serve_nothing_stale(extra: dict[str, Any]) -> 
         assert page_bytes(pool, 21) == page_bytes(pool, 3)
         assert be.check() == []
         # now the page files are lost while Redis keeps the entries
-        be.store.attached().files.close()
+        files = be.store.attached().files
+        for n in files.open_files():  # our handles go (a closed PageFiles would open nothing more)
+            files.forget(n)
         for f in _page_files(extra["path"]):
             os.remove(f)
         assert be.batch_exists(ks[2:]) == 2  # the index still believes...

@@ -67,13 +67,15 @@ def tp_env(tp: int) -> dict[str, str]:
 
 
 class Server:
-    """One server process. ``cpu`` (default) runs it under the CPU shim; ``args`` are its flags."""
+    """One server process. ``cpu`` (default) runs it under the CPU shim; ``args`` are its flags;
+    with ``admin_key`` it is started with ``--admin-api-key``, which its admin endpoints need."""
 
     def __init__(self, model: str, port: int, log_path: str, args: Sequence[str],
-                 env: Optional[dict[str, str]] = None, cpu: bool = True) -> None:
+                 env: Optional[dict[str, str]] = None, cpu: bool = True, admin_key: Optional[str] = None) -> None:
         self.url = f"http://127.0.0.1:{port}"
+        self.admin_headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", "127.0.0.1",
-               "--port", str(port), *args]
+               "--port", str(port), *args, *(["--admin-api-key", admin_key] if admin_key else [])]
         full_env = dict(os.environ)
         if cpu:
             full_env.update(CPU_ENV)
@@ -120,10 +122,14 @@ class Server:
     def flush(self, timeout: float = 60) -> None:
         """Flush L1 and L2 (retried: SGLang refuses while write-through is in flight)."""
         deadline = time.monotonic() + timeout
-        while "Cache flushed" not in requests.post(self.url + "/flush_cache", timeout=30).text:
+        while "Cache flushed" not in self.admin("POST", "/flush_cache").text:
             if time.monotonic() > deadline:
                 raise TimeoutError("flush_cache kept failing")
             time.sleep(0.5)
+
+    def admin(self, method: str, path: str, body: Optional[dict[str, Any]] = None) -> requests.Response:
+        """An admin request (``/flush_cache``, ``/hicache/...``), with the admin key if any."""
+        return requests.request(method, self.url + path, headers=self.admin_headers, json=body, timeout=60)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
