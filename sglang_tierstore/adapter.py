@@ -107,8 +107,9 @@ def _geometry(pool: Any) -> tuple[tuple[str, object], ...]:
 def _rank(c: HiCacheStorageConfig) -> dict[str, int]:
     """The rank labels of this backend's Prometheus series: the ranks SGLang's own
     storage series carry (its storage config's ``tp_rank``, with DP attention the
-    rank within the attention group, and ``dp_rank``), one scheduler process each."""
-    return {"tp_rank": c.tp_rank, "pp_rank": c.pp_rank, "dp_rank": c.dp_rank}
+    rank within the attention group, ``dp_rank`` and ``attn_cp_rank``, which tells apart
+    ranks with the same attention TP rank), one scheduler process each."""
+    return {"tp_rank": c.tp_rank, "pp_rank": c.pp_rank, "dp_rank": c.dp_rank, "attn_cp_rank": c.attn_cp_rank}
 
 
 def _leading(flags: List[bool]) -> int:
@@ -157,7 +158,10 @@ class TierStoreBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
                     redact_url(url), ", ".join(self.cfg.path), self.cfg.capacity_gb)
 
     def _restart_embedded_redis(self) -> None:
-        """Housekeeping found the index down: start the embedded Redis again if it died."""
+        """Housekeeping found the index down: start the embedded Redis again if it died
+        (not once this backend is closed: a detach must not bring it back)."""
+        if getattr(self, "_closed", False):
+            return
         try:
             ensure_embedded_redis(self.cfg.path[0], self.modes, self.cfg.redis_server)
         except TierStoreError as e:
@@ -175,6 +179,8 @@ class TierStoreBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
         self._register(str(host_pool_name), host_pool)
 
     def _register(self, name: str, host_pool: Any) -> None:
+        if self._closed:
+            raise TierStoreError("tierstore: a host pool registered with a closed backend (attach a new one)")
         page_size = int(host_pool.page_size)
         num_pages = int(host_pool.size) // page_size
         plan: Optional[PagePlan]

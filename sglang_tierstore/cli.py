@@ -434,7 +434,8 @@ def _confirm(question: str) -> bool:
         raise CliError(USAGE, "clear asks before it deletes, and there is no terminal to ask on: pass --yes")
     try:
         answer = input(f"{question} [y/N] ")
-    except EOFError:
+    except (EOFError, KeyboardInterrupt):  # no answer is a no
+        print()
         return False
     return answer.strip().lower() in ("y", "yes")
 

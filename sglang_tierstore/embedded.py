@@ -127,8 +127,13 @@ def _server_file(d: str) -> str:
 
 
 def _last_server(d: str) -> Optional[str]:
+    """The binary recorded as this index's last server: only from a file of ours that no
+    one else can write, and only an absolute path (it is executed)."""
     with contextlib.suppress(FileNotFoundError), open(_server_file(d)) as f:
-        return f.read().strip() or None
+        st = os.fstat(f.fileno())
+        path = f.read().strip()
+        if st.st_uid == os.getuid() and not st.st_mode & 0o022 and os.path.isabs(path):
+            return path
     return None
 
 

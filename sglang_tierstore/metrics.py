@@ -24,7 +24,7 @@ from typing import Callable, Mapping, Optional
 
 from prometheus_client import Counter, Histogram
 
-RANK_LABELS = ("tp_rank", "pp_rank", "dp_rank")
+RANK_LABELS = ("tp_rank", "pp_rank", "dp_rank", "attn_cp_rank")
 """Which scheduler a series comes from; empty for a store used outside SGLang."""
 
 PAGES = Counter(

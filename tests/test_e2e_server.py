@@ -187,7 +187,7 @@ def test_two_tp_ranks_report_tierstore_and_storage_metrics_in_the_servers_metric
                     raise
                 time.sleep(0.5)
     tierstore = [labels for name, each in series.items() if name.startswith("tierstore_") for labels in each]
-    assert tierstore and {(x.get("tp_rank"), x.get("pp_rank"), x.get("dp_rank")) for x in tierstore} == {("0", "0", "0"), ("1", "0", "0")}
+    assert tierstore and {(x.get("tp_rank"), x.get("pp_rank"), x.get("dp_rank"), x.get("attn_cp_rank")) for x in tierstore} == {("0", "0", "0", "0"), ("1", "0", "0", "0")}
     assert any(x.get("cache_source") == "storage" for x in series["sglang:cached_tokens_total"])
     # every series the Grafana dashboard selects is served, with the labels it uses
     # (tierstore_errors_total appears with the first error: none here)
@@ -203,7 +203,7 @@ def test_two_tp_ranks_report_tierstore_and_storage_metrics_in_the_servers_metric
 def check_rank_metrics(values: dict[tuple[str, frozenset[tuple[str, str]]], float]) -> None:
     """Each rank's pages, as tierstore counted them and as SGLang's histograms got them."""
     for r in ("0", "1"):
-        ours = {"tp_rank": r, "pp_rank": "0", "dp_rank": "0"}
+        ours = {"tp_rank": r, "pp_rank": "0", "dp_rank": "0", "attn_cp_rank": "0"}
         theirs = {"storage_backend": "dynamic", "tp_rank": r, "dp_rank": "0", "pp_rank": "0", "pp_size": "1",
                   "attn_cp_rank": "0", "attn_cp_size": "1"}
 

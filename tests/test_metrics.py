@@ -31,7 +31,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def rank(r: int) -> dict[str, str]:
-    return {"tp_rank": str(r), "pp_rank": "0", "dp_rank": "0"}
+    return {"tp_rank": str(r), "pp_rank": "0", "dp_rank": "0", "attn_cp_rank": "0"}
 
 
 def test_each_rank_keeps_its_own_series_in_one_multiprocess_dir(extra: dict[str, Any], tmp_path: Path) -> None:
@@ -74,11 +74,11 @@ def test_each_rank_keeps_its_own_series_in_one_multiprocess_dir(extra: dict[str,
 
 def test_rank_labels_outside_multiprocess_mode() -> None:
     """A store outside SGLang (scripts, tests) has empty rank labels; unknown ones are refused."""
-    labels = {"op": "read", "outcome": "hit", "tp_rank": "7", "pp_rank": "", "dp_rank": ""}
+    labels = {"op": "read", "outcome": "hit", "tp_rank": "7", "pp_rank": "", "dp_rank": "", "attn_cp_rank": ""}
     before = REGISTRY.get_sample_value("tierstore_pages_total", labels) or 0
     metrics.Metrics({"tp_rank": 7}).pages("read", "hit", 2)
     assert REGISTRY.get_sample_value("tierstore_pages_total", labels) == before + 2
-    assert metrics.Metrics().rank == {"tp_rank": "", "pp_rank": "", "dp_rank": ""}
+    assert metrics.Metrics().rank == {"tp_rank": "", "pp_rank": "", "dp_rank": "", "attn_cp_rank": ""}
     with pytest.raises(ValueError, match="unknown rank labels \\['rank'\\]"):
         metrics.Metrics({"rank": 1})
 
@@ -86,7 +86,7 @@ def test_rank_labels_outside_multiprocess_mode() -> None:
 def tierstore_series() -> dict[str, set[str]]:
     """Every tierstore sample name with its label names, as a scrape shows them
     (each family exercised once in this process's default registry)."""
-    m = metrics.Metrics({"tp_rank": 0, "pp_rank": 0, "dp_rank": 0})
+    m = metrics.Metrics({"tp_rank": 0, "pp_rank": 0, "dp_rank": 0, "attn_cp_rank": 0})
     m.pages("probe", "hit")
     m.bytes("read", 1)
     m.error("internal")
