@@ -50,9 +50,8 @@ from sglang_tierstore.embedded import (
     stop_embedded_redis,
 )
 from sglang_tierstore.errors import ConfigError, IndexUnavailable, NoStore, TierStoreError
-from sglang_tierstore.index import RedisIndex
 from sglang_tierstore.private import check_dirs, modes, redis_password, redis_tls, remove_created
-from sglang_tierstore.store import Namespace, TierStore
+from sglang_tierstore.store import Namespace, TierStore, open_index
 
 logger = logging.getLogger(__name__)
 
@@ -143,18 +142,12 @@ def index_url(cfg: TierStoreConfig, start_redis: bool) -> tuple[str, bool]:
     return ensure_embedded_redis(path, modes(cfg.file_access), cfg.redis_server).url, True
 
 
-def _index(cfg: TierStoreConfig, url: str) -> RedisIndex:
-    password = redis_password(cfg.redis_password_env, cfg.redis_password_file) if cfg.redis_url else None
-    tls = redis_tls(cfg.redis_tls_ca_file, cfg.redis_tls_cert_file, cfg.redis_tls_key_file)
-    return RedisIndex(url, cfg.redis_timeout_s, cfg.redis_retry_s, password=password, tls=tls)
-
-
 def open_store(cfg: TierStoreConfig, start_redis: bool) -> Opened:
     """Join the store ``cfg`` names, as it is; NoStore if there is none (nothing is created)."""
     _check_paths(cfg)
     url, embedded = index_url(cfg, start_redis)
     try:
-        idx = _index(cfg, url)
+        idx = open_index(cfg, url)
         try:
             store_id = home.find_store(idx, cfg.redis_prefix, cfg.path)
         finally:
@@ -493,7 +486,7 @@ def _redis_status(cfg: TierStoreConfig, as_json: bool) -> int:
                               "log": os.path.join(redis_dir(path), "redis.log")}
     if status["running"]:
         status["pid"] = _pid(path)
-        idx = _index(cfg, index_url(cfg, False)[0])
+        idx = open_index(cfg, index_url(cfg, False)[0])
         try:
             status["used_memory_bytes"] = idx.memory_used()
         except IndexUnavailable as e:

@@ -120,6 +120,14 @@ def _run_bytes(runs: Sequence[Sequence[object]], page_bytes: int) -> int:
     return max(1, sum(map(len, runs)) // max(1, len(runs))) * page_bytes
 
 
+def open_index(cfg: TierStoreConfig, redis_url: str, clock: Callable[[], float] = mod_time.time) -> RedisIndex:
+    """The index connection ``cfg`` calls for: the password of an external Redis (the
+    embedded one's is in its URL) and the TLS files, read and checked now."""
+    password = redis_password(cfg.redis_password_env, cfg.redis_password_file) if cfg.redis_url else None
+    tls = redis_tls(cfg.redis_tls_ca_file, cfg.redis_tls_cert_file, cfg.redis_tls_key_file)
+    return RedisIndex(redis_url, cfg.redis_timeout_s, cfg.redis_retry_s, clock, password, tls)
+
+
 @dataclass
 class _Attached:
     """One attachment to a store: what every operation works against."""
@@ -147,9 +155,7 @@ class TierStore:
         self.cfg = cfg
         self.modes = modes(cfg.file_access)
         self.clock = clock
-        password = redis_password(cfg.redis_password_env, cfg.redis_password_file) if cfg.redis_url else None
-        tls = redis_tls(cfg.redis_tls_ca_file, cfg.redis_tls_cert_file, cfg.redis_tls_key_file)
-        self.index = RedisIndex(redis_url, cfg.redis_timeout_s, cfg.redis_retry_s, clock, password, tls)
+        self.index = open_index(cfg, redis_url, clock)
         self.io = IOEngine(cfg.io_threads)
         self.metrics = metrics if metrics is not None else Metrics()
         self.log = RateLimitedLog(logger, cfg.log_interval_s)
