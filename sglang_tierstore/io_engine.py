@@ -1,14 +1,34 @@
-"""Parallel page I/O: runs one function per page over a thread pool.
+"""Parallel page I/O: runs one function per item over a pool of threads, reads first.
 
 preadv/pwritev release the GIL, so ``threads`` workers keep that many requests in
-flight (the queue depth NVMe needs). A batch is cut into at most ``threads``
-contiguous chunks of at least ``MIN_CHUNK_BYTES``, one task each, so the per-page
-cost is a function call, not a future, and a batch of tiny pages runs inline
-instead of paying thread hand-offs. The caller's thread stays free while the
-workers do I/O: it checksums pages (xxhash releases the GIL too) as they are
-written or as they arrive, so hashing never takes a request out of flight. A
-failure stays with its page: an outcome is the function's value or the exception
-it raised.
+flight (the queue depth NVMe needs). The caller's thread stays free while the workers
+do I/O: it checksums pages (xxhash releases the GIL too) as they are written or as they
+arrive, so hashing never takes a request out of flight. A failure stays with its item:
+an outcome is the function's value or the exception it raised.
+
+Scheduling. SGLang prefetches (reads a waiting request needs before its first token)
+and backs up (write-through of pages already in host memory) on different threads at
+the same time. A read is on a request's critical path; a write is background work that
+can wait. So the engine keeps two queues of batches, reads and writes, and a worker
+that becomes free always takes its next claim from the oldest read batch if there is
+one. Writes are cut finely (the store hands them over as units of at most
+``MAX_RUN_BYTES``, cutting large pages into pieces) and claimed one small unit at a
+time, so a read arriving while every thread is writing waits for at most one small
+write per thread, never for the rest of a backup. Alternatives weighed:
+- threads kept for reads: reads would wait for nothing, but a batch of reads would get
+  fewer threads than the disk needs in flight, and writes would lose those threads
+  even when no read is waiting;
+- a priority queue of chunks: the same order, but one heap entry per chunk where two
+  queues of batches claim work with a counter.
+Nothing starves: while writes wait, every ``reads_per_write``-th claim goes to them
+(at least 1/(reads_per_write + 1) of the claims under a stream of reads that never
+lets up). With no reads waiting, every worker writes, as before.
+
+Work is claimed from a batch ``claim`` items at a time (about ``CLAIM_BYTES``, and no
+more than an even share of the batch per thread), so the per-item cost is a function
+call under a lock taken once per claim, not a future per item, and a batch spreads
+over the threads that are free. A batch too small to share runs inline, in the
+caller's thread, instead of paying thread hand-offs.
 
 Giving up on a disk that stops answering: a preadv in a thread cannot be cancelled,
 and a late one would land wherever it was told to, long after the caller has moved
@@ -16,7 +36,8 @@ on. A caller that may stop waiting (``as_completed(deadline)``, then ``cancel``)
 therefore has its items read into :class:`Staging` memory owned by the I/O thread
 and copied into the caller's memory through a :class:`Gate`, which the caller shuts
 before it returns: a read that finishes after that lands in the thread's own buffer,
-which that thread reuses only once the read has returned.
+which that thread reuses only once the read has returned. The threads are daemons:
+one stuck in a preadv on a dead disk does not keep the interpreter from exiting.
 """
 
 from __future__ import annotations
@@ -26,7 +47,7 @@ import mmap
 import queue
 import threading
 import time as mod_time
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
 from typing import Callable, Generator, Generic, Optional, Sequence, TypeVar, Union
 
 A = TypeVar("A")
@@ -34,7 +55,8 @@ R = TypeVar("R")
 
 Outcome = Union[R, BaseException]
 
-MIN_CHUNK_BYTES = 1 << 20
+CLAIM_BYTES = 1 << 20  # what a worker takes from a batch at a time (and the least a batch must move to be shared)
+READS_PER_WRITE = 8  # claims that go to reads, while writes wait, before one goes to a write
 _PR_SET_NAME = 15  # prctl option (Linux)
 
 
@@ -49,20 +71,33 @@ def name_os_thread(name: str) -> None:
 
 
 class Batch(Generic[R]):
-    """The pages of one ``IOEngine.submit``, running or done."""
+    """The items of one ``IOEngine.submit``, running or done."""
 
-    def __init__(self, n: int) -> None:
-        self._n = n
+    def __init__(self, fn: Callable[[A], R], items: Sequence[A], claim: int = 1) -> None:
+        self._fn = fn
+        self._items = items
+        self._n = len(items)
+        self._claim = claim
+        self._next = 0  # the first item nobody has claimed (the engine's lock guards it)
         self._done: queue.SimpleQueue[tuple[int, Outcome[R]]] = queue.SimpleQueue()
         self._cancelled = False
 
-    def _run(self, fn: Callable[[A], R], items: Sequence[A], first: int) -> None:
-        for k, item in enumerate(items, first):
+    def _unclaimed(self) -> bool:
+        return self._next < self._n and not self._cancelled
+
+    def _take(self) -> tuple[int, int]:
+        """Claim the next items: [first, stop). Caller holds the engine's lock."""
+        first = self._next
+        self._next = min(self._n, first + self._claim)
+        return first, self._next
+
+    def _run(self, first: int, stop: int) -> None:
+        for k in range(first, stop):
             if self._cancelled:  # nobody waits for it any more: a stalled disk gets no new requests
                 return
             try:
-                out: Outcome[R] = fn(item)
-            except BaseException as e:  # kept per page (the caller decides what it means),
+                out: Outcome[R] = self._fn(self._items[k])
+            except BaseException as e:  # kept per item (the caller decides what it means),
                 out = e  # and always reported: the caller waits for every item
             self._done.put((k, out))
 
@@ -152,35 +187,67 @@ class Staging:
 
 
 class IOEngine:
-    """A fixed pool of I/O threads."""
+    """A fixed pool of I/O threads serving a queue of reads before a queue of writes."""
 
-    def __init__(self, threads: int) -> None:
+    def __init__(self, threads: int, reads_per_write: int = READS_PER_WRITE) -> None:
         self.threads = threads
         self.staging = Staging()
-        self._started: list[threading.Thread] = []
-        self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tierstore-io",
-                                        initializer=self._thread_started)
+        self._reads_per_write = reads_per_write
+        self._cond = threading.Condition()
+        self._reads: deque[Batch[object]] = deque()
+        self._writes: deque[Batch[object]] = deque()
+        self._reads_in_a_row = 0  # read claims since the last write claim, while writes waited
+        self._closing = False
+        self._threads = [threading.Thread(target=self._work, name=f"tierstore-io_{i}", daemon=True) for i in range(threads)]
+        for t in self._threads:
+            t.start()
 
-    def _thread_started(self) -> None:
-        name_os_thread("tierstore-io")
-        with self._lock:
-            self._started.append(threading.current_thread())
-
-    def submit(self, fn: Callable[[A], R], items: Sequence[A], item_bytes: int, inline: bool = True) -> Batch[R]:
-        """Start ``fn`` over ``items`` (each moving about ``item_bytes``); a batch too
-        small to share runs inline, done when this returns, unless ``inline`` is
-        False (a caller that may give up must not be the one stuck in a preadv)."""
+    def submit(self, fn: Callable[[A], R], items: Sequence[A], item_bytes: int, inline: bool = True,
+               write: bool = False) -> Batch[R]:
+        """Start ``fn`` over ``items`` (each moving about ``item_bytes``), as reads or as
+        ``write``s (which wait while reads are queued: a write item should be one small
+        I/O, see the module docstring). A batch too small to share runs inline, done
+        when this returns, unless ``inline`` is False (a caller that may give up must
+        not be the one stuck in a preadv)."""
         n = len(items)
-        batch: Batch[R] = Batch(n)
-        chunks = min(self.threads, n, max(1, n * item_bytes // MIN_CHUNK_BYTES))
-        if not n or (chunks <= 1 and inline):
-            batch._run(fn, items, 0)
+        share = -(-n // self.threads)
+        batch: Batch[R] = Batch(fn, items, max(1, min(share, CLAIM_BYTES // max(1, item_bytes))))
+        if not n or (inline and (self.threads == 1 or n == 1 or n * item_bytes < 2 * CLAIM_BYTES)):
+            batch._run(0, n)
             return batch
-        bounds = [n * i // chunks for i in range(chunks + 1)]
-        for i in range(chunks):
-            self._pool.submit(batch._run, fn, items[bounds[i] : bounds[i + 1]], bounds[i])
+        with self._cond:
+            if self._closing:
+                raise RuntimeError("I/O engine closed")
+            (self._writes if write else self._reads).append(batch)  # type: ignore[arg-type]
+            self._cond.notify(min(self.threads, -(-n // batch._claim)))
         return batch
+
+    def _next_locked(self) -> Optional[tuple[Batch[object], int, int]]:
+        """The next claim: reads first, but a write after ``reads_per_write`` reads in
+        a row while writes wait. Caller holds the lock."""
+        for q in (self._reads, self._writes):
+            while q and not q[0]._unclaimed():
+                q.popleft()
+        if self._writes and (not self._reads or self._reads_in_a_row >= self._reads_per_write):
+            q, self._reads_in_a_row = self._writes, 0
+        elif self._reads:
+            q, self._reads_in_a_row = self._reads, (self._reads_in_a_row + 1 if self._writes else 0)
+        else:
+            return None
+        batch = q[0]
+        first, stop = batch._take()
+        return batch, first, stop
+
+    def _work(self) -> None:
+        name_os_thread("tierstore-io")
+        while True:
+            with self._cond:
+                while (job := self._next_locked()) is None:
+                    if self._closing:
+                        return
+                    self._cond.wait()
+            batch, first, stop = job
+            batch._run(first, stop)
 
     def close(self, timeout: Optional[float] = None) -> bool:
         """Stop the threads once the items already submitted are done (a caller may be
@@ -188,10 +255,10 @@ class IOEngine:
         it takes). A thread stuck in a preadv on a disk that stopped answering is not
         waited for past ``timeout``: it exits when the call returns. True if every
         thread has exited."""
-        self._pool.shutdown(wait=False)
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
         deadline = None if timeout is None else mod_time.monotonic() + timeout
-        with self._lock:
-            threads = list(self._started)
-        for t in threads:
+        for t in self._threads:
             t.join(None if deadline is None else max(0.0, deadline - mod_time.monotonic()))
-        return not any(t.is_alive() for t in threads)
+        return not any(t.is_alive() for t in self._threads)

@@ -79,7 +79,8 @@ logger = logging.getLogger(__name__)
 
 Regions = Sequence[memoryview]
 IOV_MAX = 1024  # iovecs in one preadv/pwritev
-MAX_RUN_BYTES = 1 << 20  # one coalesced I/O at most (larger ones were slower on this VM: README, Performance)
+MAX_RUN_BYTES = 1 << 20  # one coalesced I/O at most (larger ones were slower on this VM: README, Performance),
+# and the most one write moves: a larger page is written in pieces, so a read waits for at most one of those per thread
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +114,27 @@ def _scatter(buf: memoryview, dests: Sequence[Regions]) -> None:
         for m in regions:
             m[:] = buf[off : off + len(m)]
             off += len(m)
+
+
+def _pieces(bufs: Sequence[memoryview], limit: int) -> list[tuple[int, list[memoryview]]]:
+    """``bufs`` (adjacent bytes) cut into pieces of at most ``limit`` bytes: (byte
+    offset, buffers) of each. ``limit`` is a multiple of the O_DIRECT alignment, so
+    pieces of aligned buffers are aligned too."""
+    out: list[tuple[int, list[memoryview]]] = []
+    piece: list[memoryview] = []
+    start = size = 0
+    for b in bufs:
+        while len(b):
+            m = b[: limit - size]
+            piece.append(m)
+            size += len(m)
+            b = b[len(m) :]
+            if size == limit:
+                out.append((start, piece))
+                piece, start, size = [], start + size, 0
+    if piece:
+        out.append((start, piece))
+    return out
 
 
 def _run_bytes(runs: Sequence[Sequence[object]], page_bytes: int) -> int:
@@ -497,16 +519,18 @@ class TierStore:
             slots.update(zip(idx, alloc.take(s, pb, len(idx))))
         pages = [(i, g.file_of(r), g.slot_offset(r, sl, pb)) for i, (r, sl, _) in slots.items()]
         runs = self._runs(pages, pb, len(srcs[0]))
+        units = [(run, off, piece) for run in runs
+                 for off, piece in _pieces([m for p in run for m in srcs[p[0]]], MAX_RUN_BYTES)]
 
-        def write_run(run: list[_Page]) -> None:
-            bufs = [m for p in run for m in srcs[p[0]]]
-            a.files.write(run[0][1], run[0][2], bufs, len(run) * pb, aligned)
+        def write_unit(unit: tuple[list[_Page], int, list[memoryview]]) -> None:
+            run, off, piece = unit
+            a.files.write(run[0][1], run[0][2] + off, piece, sum(map(len, piece)), aligned)
 
-        batch = self.io.submit(write_run, runs, _run_bytes(runs, pb))
+        batch = self.io.submit(write_unit, units, len(pages) * pb // max(1, len(units)), write=True)
         tails = {i: self._tail(a, fields[i], slots[i], checksum(srcs[i])) for i in slots}  # while the pages are being written
         failed: set[int] = set()
         touched: set[int] = set()
-        for run, o in zip(runs, batch.results()):
+        for (run, _, _), o in zip(units, batch.results()):
             if isinstance(o, BaseException):
                 self._io_failure(a, "io_write", run[0][1], o)
                 failed.update(p[0] for p in run)

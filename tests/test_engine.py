@@ -8,7 +8,9 @@ import logging
 import mmap
 import subprocess
 import sys
+import threading
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,9 @@ from engine_kit import MiB, engine, housekeep, pages, read, views
 
 from sglang_tierstore.errors import PageIOError
 from sglang_tierstore.schema import ALIGN
+from sglang_tierstore.store import MAX_RUN_BYTES
+
+HANG_S = 30.0  # a deadline for what must happen without waiting for anything else
 
 
 def split_pages(src: list[bytearray], aligned: bool) -> list[list[memoryview]]:
@@ -84,6 +89,82 @@ def test_staged_reads_give_the_same_bytes(cfg: dict[str, Any], page_bytes: int, 
         assert "error_io_read_timeout" not in st.stats() and "error_internal" not in st.stats()
         assert st.check() == []
     finally:
+        st.close()
+
+
+@pytest.mark.parametrize("page_bytes,aligned", [(5 * MiB // 2, True), (3 * MiB + 5000, False)])
+@pytest.mark.parametrize("read_timeout_s", [0, 30])
+def test_pages_larger_than_one_write_go_to_disk_in_pieces(cfg: dict[str, Any], page_bytes: int, aligned: bool,
+                                                          read_timeout_s: float) -> None:
+    """A page larger than MAX_RUN_BYTES is written as several pwritevs of at most that
+    (the unit a read may have to wait behind), cut across its regions: the same bytes
+    come back, O_DIRECT or buffered, read directly or staged."""
+    st = engine(cfg, capacity_gb=96 * MiB / (1 << 30), read_timeout_s=read_timeout_s)
+    try:
+        files = st.attached().files
+        real, sizes = files.write, []
+
+        def write(file_no: int, offset: int, bufs: Any, nbytes: int, aligned: bool) -> None:
+            assert sum(map(len, bufs)) == nbytes
+            sizes.append(nbytes)
+            real(file_no, offset, bufs, nbytes, aligned)
+
+        files.write = write  # type: ignore[method-assign]
+        ns = st.namespace({}, page_bytes)
+        ks, src = keys(6), pages(6, page_bytes, 7)
+        assert st.write(ns, ks, split_pages(src, aligned), aligned) == [True] * 6
+        assert max(sizes) <= MAX_RUN_BYTES < page_bytes and sum(sizes) == 6 * page_bytes
+        dests = split_pages([bytearray(page_bytes) for _ in ks], aligned)
+        assert st.read(ns, ks, dests, aligned) == [True] * 6
+        assert [b"".join(bytes(r) for r in regions) for regions in dests] == src
+        assert st.check() == []
+    finally:
+        st.close()
+
+
+def test_a_read_during_a_large_write_waits_for_one_write_unit_per_thread(cfg: dict[str, Any]) -> None:
+    """Both I/O threads are inside units of a 16 MiB write batch when a read comes in:
+    it completes once each thread has finished that one unit, while every later unit
+    of the batch is still held back (with the reads queued behind the batch, it would
+    wait for all of them)."""
+    st = engine(cfg, io_threads=2, capacity_gb=64 * MiB / (1 << 30))
+    pool = ThreadPoolExecutor(2)
+    inside, permits = threading.Semaphore(0), threading.Semaphore(0)
+    try:
+        ns = st.namespace({}, 256 << 10)
+        old, src = keys(8, "old"), pages(8, 256 << 10, 1)
+        assert st.write(ns, old, views(src), False) == [True] * 8
+        files, io = st.attached().files, st.io
+        real_write, real_submit = files.write, io.submit
+
+        def held_write(*args: Any) -> None:
+            inside.release()
+            assert permits.acquire(timeout=HANG_S)
+            real_write(*args)
+
+        queued = threading.Event()
+
+        def submit(fn: Any, items: Any, item_bytes: int, inline: bool = True, write: bool = False) -> Any:
+            batch = real_submit(fn, items, item_bytes, inline, write)
+            if not write:
+                queued.set()
+            return batch
+
+        files.write = held_write  # type: ignore[method-assign]
+        io.submit = submit  # type: ignore[method-assign]
+        writer = pool.submit(st.write, ns, keys(64, "new"), views(pages(64, 256 << 10, 2)), False)
+        for _ in range(2):
+            assert inside.acquire(timeout=HANG_S)
+        reader = pool.submit(read, st, ns, old)
+        assert queued.wait(HANG_S)
+        permits.release(2)
+        assert reader.result(timeout=HANG_S) == ([True] * 8, src)
+        permits.release(64)
+        assert writer.result(timeout=HANG_S) == [True] * 64
+        assert st.check() == []
+    finally:
+        permits.release(64)
+        pool.shutdown()
         st.close()
 
 

@@ -1,0 +1,125 @@
+"""The I/O engine's scheduling over plain functions (no Redis, no disk): reads go ahead
+of writes, a read waits for at most one write unit per thread, and writes still finish
+under reads that never let up. Orders are forced with semaphores and events, never
+with timings; the deadlines only turn a hang into a failure."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from sglang_tierstore.io_engine import CLAIM_BYTES, IOEngine
+
+HANG_S = 30.0  # a deadline for what must happen without waiting for anything else
+
+
+def test_a_read_needs_only_the_write_units_already_running() -> None:
+    """Every thread is inside a write unit of a large batch when a read batch comes in:
+    once each thread finishes that one unit, the read completes with no other write
+    unit allowed to run (a FIFO pool would hand the threads the batch's next units)."""
+    threads = 4
+    io = IOEngine(threads)
+    inside, permits = threading.Semaphore(0), threading.Semaphore(0)
+
+    def write(i: int) -> None:
+        inside.release()
+        assert permits.acquire(timeout=HANG_S)
+
+    try:
+        writes = io.submit(write, range(64), CLAIM_BYTES, write=True)
+        for _ in range(threads):
+            assert inside.acquire(timeout=HANG_S)
+        reads = io.submit(lambda i: i, range(8), CLAIM_BYTES)
+        for _ in range(threads):
+            permits.release()  # one more write unit per thread: the ones running now
+        assert dict(reads.as_completed(time.monotonic() + HANG_S)) == {i: i for i in range(8)}
+        for _ in range(64 - threads):
+            permits.release()
+        assert all(o is None for o in writes.results())
+    finally:
+        assert io.close(HANG_S)
+
+
+def test_reads_queued_behind_a_write_unit_are_served_before_the_next_one() -> None:
+    """With one thread the whole order is determined: the running write unit, then every
+    read submitted meanwhile, then the rest of the write batch."""
+    io = IOEngine(1)
+    held, inside = threading.Event(), threading.Event()
+    order: list[str] = []
+
+    def write(i: int) -> None:
+        order.append(f"w{i}")
+        if i == 0:
+            inside.set()
+            assert held.wait(HANG_S)
+
+    try:
+        writes = io.submit(write, range(4), CLAIM_BYTES, inline=False, write=True)
+        assert inside.wait(HANG_S)
+        reads = io.submit(lambda i: order.append(f"r{i}"), range(3), CLAIM_BYTES, inline=False)
+        held.set()
+        reads.results()
+        writes.results()
+        assert order == ["w0", "r0", "r1", "r2", "w1", "w2", "w3"]
+    finally:
+        assert io.close(HANG_S)
+
+
+def test_writes_finish_under_reads_that_never_let_up() -> None:
+    """Both threads are held while a write batch and far more read batches than it has
+    units queue up: the writes still get every ``reads_per_write + 1``-th claim, so they
+    are done long before the reads run out (with plain priority they would come last)."""
+    io = IOEngine(2, reads_per_write=4)
+    held = threading.Event()
+    done: list[str] = []
+
+    def hold(i: int) -> None:
+        assert held.wait(HANG_S)
+
+    try:
+        first = io.submit(hold, range(2), CLAIM_BYTES)
+        writes = io.submit(lambda i: done.append("w"), range(10), CLAIM_BYTES, write=True)
+        reads = [io.submit(lambda i: done.append("r"), range(2), CLAIM_BYTES) for _ in range(100)]
+        held.set()
+        for b in (first, writes, *reads):
+            b.results()
+        last_write = max(k for k, x in enumerate(done) if x == "w")
+        assert done.count("r") == 200
+        assert last_write < 100, f"the last write ran after {done[:last_write].count('r')} of 200 reads"
+        assert done[:last_write].count("r") >= 4 * 9  # and the reads did go first in between
+    finally:
+        assert io.close(HANG_S)
+
+
+def test_a_batch_spreads_over_free_threads_in_claims_of_about_one_unit() -> None:
+    """Small items are claimed several at a time (one lock per claim, not per item) but
+    never more than an even share of the batch, so every thread gets some."""
+    threads = 4
+    io = IOEngine(threads)
+    barrier = threading.Barrier(threads, timeout=HANG_S)
+    who: dict[int, str] = {}
+
+    def item(i: int) -> None:
+        who[i] = threading.current_thread().name
+        if i % 16 == 0:
+            barrier.wait()  # the first item of each claim waits until every thread holds a claim
+
+    try:
+        assert all(o is None for o in io.submit(item, range(64), CLAIM_BYTES // 16).results())
+        claims = [{who[i] for i in range(c, c + 16)} for c in range(0, 64, 16)]
+        assert all(len(c) == 1 for c in claims)  # a claim runs on one thread
+        assert len(set.union(*claims)) == threads
+    finally:
+        assert io.close(HANG_S)
+
+
+def test_a_small_batch_runs_in_the_callers_thread_and_close_stops_every_thread() -> None:
+    before = set(threading.enumerate())
+    io = IOEngine(4)
+    me = threading.current_thread().name
+    names = io.submit(lambda i: threading.current_thread().name, range(3), CLAIM_BYTES // 2).results()
+    assert names == [me] * 3
+    pooled = io.submit(lambda i: threading.current_thread().name, range(4), CLAIM_BYTES).results()
+    assert all(isinstance(n, str) and n.startswith("tierstore-io") for n in pooled)
+    assert io.close(HANG_S)
+    assert set(threading.enumerate()) <= before
