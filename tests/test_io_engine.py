@@ -5,6 +5,8 @@ with timings; the deadlines only turn a hang into a failure."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 
@@ -123,3 +125,12 @@ def test_a_small_batch_runs_in_the_callers_thread_and_close_stops_every_thread()
     assert all(isinstance(n, str) and n.startswith("tierstore-io") for n in pooled)
     assert io.close(HANG_S)
     assert set(threading.enumerate()) <= before
+
+
+def test_a_thread_stuck_in_an_item_does_not_hold_up_interpreter_exit() -> None:
+    """An I/O thread stuck in a preadv on a disk that stopped answering (here: an item
+    that never returns) must not keep SGLang's process from exiting."""
+    code = ("import threading; from sglang_tierstore.io_engine import IOEngine; io = IOEngine(2); "
+            "io.submit(lambda i: threading.Event().wait(), range(2), 1 << 20, inline=False); print('exiting')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S)
+    assert out.returncode == 0 and out.stdout.strip() == "exiting", out.stderr
