@@ -46,8 +46,9 @@ Starts its own redis-server.
 --mixed: prefetch reads while backups write (issue 12), tierstore beside the disk's limit:
 
     PYTHONPATH=<checkout> python3 scripts/bench_io.py --mixed --repeat 15 --out scripts/results/bench_mixed.json \
-        > scripts/results/bench_mixed.txt     (about 6 minutes; PYTHONPATH picks the engine measured,
-                                                recorded with its commit; bench_mixed_before.*: commit 83788d2)
+        > scripts/results/bench_mixed.txt     (4 to 6 minutes; PYTHONPATH picks the engine measured, and
+                                                the report records its file and commit: bench_mixed.* the
+                                                reads-first engine, bench_mixed_before.* the one before, 83788d2)
 
 In SGLang the prefetch of a waiting request's pages and the write-through backups run on
 their own controller threads at the same time; a prefetch delays the request's first token,
