@@ -42,6 +42,38 @@ entries, against one redis-py MGET of 128 string keys named like the entries (an
 of the entries), and per-page cost with 4 KiB pages, where I/O is negligible. Each figure
 is the median of --repeat rounds (p90, p99 too); ratios compare medians of the same run.
 Starts its own redis-server.
+
+--mixed: prefetch reads while backups write (issue 12), tierstore beside the disk's limit:
+
+    PYTHONPATH=<checkout> python3 scripts/bench_io.py --mixed --repeat 15 --out scripts/results/bench_mixed.json \
+        > scripts/results/bench_mixed.txt     (4 to 6 minutes; PYTHONPATH picks the engine measured, and
+                                                the report records its file and commit: bench_mixed.* the
+                                                reads-first engine, bench_mixed_before.* the one before, 83788d2)
+
+In SGLang the prefetch of a waiting request's pages and the write-through backups run on
+their own controller threads at the same time; a prefetch delays the request's first token,
+a backup delays nobody. Per page size (256K, 2M, 8M; MHA page_first_direct, so tierstore
+does zero-copy O_DIRECT from the host pool), two systems do the same mix from the same host
+memory on the same disk:
+  ts    one backend (so one I/O engine, --threads I/O threads) called from two threads
+        through SGLang's calls: batch_get_v1 of stored keys (read batches of 32 MiB: 128 x
+        256K, 16 x 2M, 4 x 8M, from 4 stored batches in turn) and batch_set_v1 of new keys
+        (batches of 128 pages, as SGLang's backup thread sends them). The stream keeps its
+        last 2 batches and deletes older ones, whose regions the next batches reuse, so
+        the capacity (the read batches + 4 write batches) never evicts: every read must
+        hit, every write must store, and the store must not have evicted (asserted).
+  disk  plain O_DIRECT preadv/pwritev, one per page, reads on their own pool of --threads
+        threads and writes on their own, each batch cut into contiguous per-thread runs
+        as tierstore cuts a batch: the disk's own contention under this mix, with no
+        queueing of ours, so ts / disk under writes is what our queueing adds.
+Each system runs three phases, all six interleaved in a new random order each round (--seed):
+  read   --reads read batches alone, each after a random pause of up to --pause (idle latency)
+  write  write batches back to back, at least 1 GiB a round (the write limit)
+  mixed  one thread writes batches back to back; from the end of its first batch the reads
+         run as in "read" while it goes on (read latency under writes; write GB/s of the
+         batches after the first, which overlap the reads)
+Targets (issue 12): read p50, p90 and p99 under writes <= 1.3x disk's; write alone >= 0.9x.
+Read latency is per batch (ms), write GB/s per batch; each pooled over all rounds.
 """
 
 from __future__ import annotations
@@ -58,17 +90,18 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from unittest import mock
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Generator, Protocol, TypeVar
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 import torch  # noqa: E402
-from pools import mha_pool, mla_pool, page_indices, storage_config  # noqa: E402
+from pools import fill, mha_pool, mla_pool, page_indices, storage_config  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import HiCacheFile, PoolName, PoolTransfer  # noqa: E402
 
 from sglang_tierstore import TierStoreBackend  # noqa: E402
@@ -142,39 +175,54 @@ def start_redis(workdir: str) -> tuple[subprocess.Popen[bytes], str]:
 #    Rounds of all systems are interleaved (random order) so they share the machine's moods.
 
 Round = tuple[float, float, float]
+T = TypeVar("T")
 
 
-def disk_rounds(path: str, page: int, threads: int, pool: Any) -> Iterator[Round]:
+def disk_rounds(path: str, page: int, threads: int, pool: Any) -> Generator[Round, None, None]:
     """O_DIRECT pwritev/preadv of BATCH pages of `page` bytes straight from/into the host
     pool's own buffer (the very memory tierstore moves), with `threads` threads each taking
     a contiguous run of pages, as tierstore's I/O engine cuts a batch."""
     f = os.path.join(path, "odirect.bin")
     fd = os.open(f, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o644)
     os.posix_fallocate(fd, 0, page * BATCH)
-    whole = memoryview(pool.kv_buffer.view(-1).view(torch.uint8).numpy())
-    assert pool.kv_buffer.data_ptr() % ALIGN == 0 and len(whole) >= 2 * page * BATCH
-    bufs = [whole[i * page : (i + 1) * page] for i in range(BATCH)]
-    pool = ThreadPoolExecutor(threads)
-
-    def run(write: bool) -> None:
-        def chunk(t: int) -> None:
-            for i in range(BATCH * t // threads, BATCH * (t + 1) // threads):
-                (os.pwritev if write else os.preadv)(fd, [bufs[i]], i * page)
-
-        list(pool.map(chunk, range(threads)))
-
+    bufs = host_pages(pool, page, BATCH)
+    offsets = [i * page for i in range(BATCH)]
+    ex = ThreadPoolExecutor(threads)
     try:
         while True:
-            w = timed(lambda: run(True))
+            w = timed(lambda: direct_io(ex, threads, fd, bufs, offsets, True))
             drop_cache(path, only=f)  # as every system's reads: after its writes are flushed
-            yield w, timed(lambda: run(False)), timed(lambda: run(False))
+            yield w, timed(lambda: direct_io(ex, threads, fd, bufs, offsets, False)), \
+                timed(lambda: direct_io(ex, threads, fd, bufs, offsets, False))
     finally:
-        pool.shutdown()
+        ex.shutdown()
         os.close(fd)
         os.remove(f)
 
 
-def hicache_rounds(path: str, pool: Any) -> Iterator[Round]:
+def host_pages(pool: Any, page: int, n: int) -> list[memoryview]:
+    """``n`` slices of ``page`` bytes of the host pool's own buffer (4 KiB aligned, as
+    O_DIRECT needs): the very memory tierstore moves."""
+    whole = memoryview(pool.kv_buffer.view(-1).view(torch.uint8).numpy())
+    assert pool.kv_buffer.data_ptr() % ALIGN == 0 and page % ALIGN == 0 and len(whole) >= n * page
+    return [whole[i * page : (i + 1) * page] for i in range(n)]
+
+
+def direct_io(ex: ThreadPoolExecutor, threads: int, fd: int, bufs: list[memoryview], offsets: list[int], write: bool) -> None:
+    """One pwritev/preadv per page at its offset, the batch cut into at most ``threads``
+    contiguous runs of pages, one per thread of ``ex``, as tierstore's I/O engine cuts a batch."""
+    n = len(bufs)
+    chunks = min(threads, n)
+    op = os.pwritev if write else os.preadv
+
+    def chunk(t: int) -> None:
+        for i in range(n * t // chunks, n * (t + 1) // chunks):
+            assert op(fd, [bufs[i]], offsets[i]) == len(bufs[i])
+
+    list(ex.map(chunk, range(chunks)))
+
+
+def hicache_rounds(path: str, pool: Any) -> Generator[Round, None, None]:
     """SGLang's HiCacheFile, called as cache_controller's _generic_page_set/_generic_page_get do."""
     d = os.path.join(path, "hicache")
     hf = HiCacheFile(storage_config({}), file_path=d)
@@ -207,7 +255,7 @@ def backend(path: str, redis_url: str, threads: int, mla: bool = False, model: s
 
 
 def tierstore_rounds(path: str, redis_url: str, pool: Any, threads: int, v2: bool, mla: bool, info: dict[str, Any],
-                     checksum: bool = True, coalesce: bool = True) -> Iterator[Round]:
+                     checksum: bool = True, coalesce: bool = True) -> Generator[Round, None, None]:
     """tierstore's calls. Diagnostics: ``checksum=False`` replaces the checksum by a
     constant on writes and reads; ``coalesce=False`` makes every page its own I/O."""
     d = os.path.join(path, "tierstore-" + uuid.uuid4().hex[:6])
@@ -268,7 +316,7 @@ def in_use(be: TierStoreBackend) -> None:
         assert all(be.store.write(ns, [sgl_key() for _ in range(BATCH)], [page] * BATCH, False))
 
 
-def steady_rounds(path: str, redis_url: str, pool: Any, other: Any, threads: int, info: dict[str, Any]) -> Iterator[Round]:
+def steady_rounds(path: str, redis_url: str, pool: Any, other: Any, threads: int, info: dict[str, Any]) -> Generator[Round, None, None]:
     """ts_v1 with the store full and evicting: two models (page sizes P and about P/2)
     share a store that holds 4 batches of each; every round writes a new batch of the
     other size (untimed), then the timed batch, so each round evicts both sizes' regions."""
@@ -314,7 +362,7 @@ def steady_rounds(path: str, redis_url: str, pool: Any, other: Any, threads: int
         shutil.rmtree(d, ignore_errors=True)
 
 
-def cycle_rounds(path: str, redis_url: str, pool: Any, other: Any, threads: int) -> Iterator[Round]:
+def cycle_rounds(path: str, redis_url: str, pool: Any, other: Any, threads: int) -> Generator[Round, None, None]:
     """ts_steady's footprint without eviction: the steady store's capacity (4 batches of
     both page sizes), this page size only, and the batch written 5 rounds ago dropped."""
     d = os.path.join(path, "cycle-" + uuid.uuid4().hex[:6])
@@ -357,13 +405,13 @@ def rates(nbytes: int, rounds: list[Round]) -> dict[str, Any]:
     return out
 
 
-def interleave(systems: dict[str, Iterator[Round]], repeat: int, rng: random.Random) -> dict[str, list[Round]]:
+def interleave(systems: dict[str, Generator[T, None, None]], repeat: int, rng: random.Random) -> dict[str, list[T]]:
     """``repeat`` rounds of every system, in a new random order each time: a round runs
     while the disk still works off the one before (the VM's host caches writes), so no
     system may always follow the same one (a rotating order put ts_v1 after HiCacheFile's
     buffered writes every time)."""
     names = list(systems)
-    samples: dict[str, list[Round]] = {n: [] for n in names}
+    samples: dict[str, list[T]] = {n: [] for n in names}
     try:
         for _ in range(repeat):
             for name in rng.sample(names, len(names)):
@@ -473,13 +521,271 @@ def count_redis_time(be: TierStoreBackend) -> list[float]:
     return acc
 
 
+# -- --mixed: read batches while a write stream runs, tierstore beside the O_DIRECT limit --------
+
+READ_BYTES = 32 << 20  # one read batch: 128 x 256K, 16 x 2M, 4 x 8M pages (a prefetch of 2K-8K tokens)
+READ_SETS = 4  # distinct read batches, read in turn, so no read finds a cache of the one before
+KEEP = 2  # write batches the stream keeps stored; older ones are deleted and their space reused
+
+
+class Mix(Protocol):
+    """A system doing the mixed load: read batches of stored pages, write batches of new ones."""
+
+    page: int
+    read_pages: int
+
+    def read(self, k: int) -> None:
+        """Read stored batch ``k`` (mod READ_SETS) into the read pages, every page a hit."""
+
+    def write(self) -> float:
+        """Write one batch of BATCH new pages; seconds the batch took."""
+
+    def close(self) -> None: ...
+
+
+class TierstoreMix:
+    """tierstore's SGLang-facing calls, one backend (so one I/O engine) for both, as
+    SGLang's prefetch and backup threads share a rank's backend: batch_get_v1 of stored
+    keys, batch_set_v1 of new keys (as the backup thread sends them). The stream keeps
+    the last KEEP batches and deletes older ones, whose regions the next batches reuse
+    (as a full store reuses evicted ones), so the capacity never evicts the read keys."""
+
+    def __init__(self, path: str, redis_url: str, pool: Any, page: int, threads: int) -> None:
+        self.page, self.read_pages = page, READ_BYTES // page
+        self.dir = os.path.join(path, "mixed-" + uuid.uuid4().hex[:6])
+        ps = pool.page_size
+        self.src = page_indices(range(BATCH), ps)
+        self.dst = page_indices(range(BATCH, BATCH + self.read_pages), ps)
+        cap = (READ_SETS * self.read_pages + (KEEP + 2) * BATCH) * page / (1 << 30)
+        self.be = backend(self.dir, redis_url, threads, capacity_gb=cap)
+        self.be.register_mem_pool_host(pool)
+        kv = self.be._pool("kv")
+        assert kv.plan is not None and kv.plan.aligned, "not zero-copy O_DIRECT"
+        self.ns = kv.ns
+        self.reads = [[sgl_key() for _ in range(self.read_pages)] for _ in range(READ_SETS)]
+        for keys in self.reads:
+            assert all(self.be.batch_set_v1(keys, self.src[: self.read_pages * ps]))
+        self.written: list[list[str]] = []
+        for _ in range(KEEP + 2):  # every region the stream uses written once before it is timed
+            self.write()
+
+    def read(self, k: int) -> None:
+        assert all(self.be.batch_get_v1(self.reads[k % READ_SETS], self.dst)), "a read key missed"
+
+    def write(self) -> float:
+        keys = [sgl_key() for _ in range(BATCH)]
+        out: list[list[bool]] = []
+        t = timed(lambda: out.append(self.be.batch_set_v1(keys, self.src)))
+        assert all(out[0]), "a write was not stored"
+        self.written.append(keys)
+        if len(self.written) > KEEP:
+            self.be.store.delete(self.ns, self.written.pop(0))
+        return t
+
+    def close(self) -> None:
+        try:
+            assert self.be.store.stats().get("evicted", 0) == 0, "the store evicted"
+            self.be.clear()
+        finally:
+            self.be.close()
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class DiskMix:
+    """The same mix as plain O_DIRECT preadv/pwritev of the same host-pool memory, reads
+    and writes each on their own pool of ``threads`` threads (as SGLang's prefetch and
+    backup run on their own threads): what the disk itself does under this mix. Reads
+    come from READ_SETS batches' worth of file, writes overwrite one batch's worth."""
+
+    def __init__(self, path: str, pool: Any, page: int, threads: int) -> None:
+        self.page, self.read_pages, self.threads = page, READ_BYTES // page, threads
+        self.file = os.path.join(path, "mixed-" + uuid.uuid4().hex[:6] + ".bin")
+        self.fd = os.open(self.file, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o644)
+        os.posix_fallocate(self.fd, 0, (READ_SETS * self.read_pages + BATCH) * page)
+        bufs = host_pages(pool, page, BATCH + self.read_pages)
+        self.src, self.dst = bufs[:BATCH], bufs[BATCH:]
+        self.readers, self.writers = ThreadPoolExecutor(threads), ThreadPoolExecutor(threads)
+        for k in range(READ_SETS):  # written once, as tierstore's are (no unwritten extents left)
+            direct_io(self.writers, threads, self.fd, self.src[: self.read_pages], self._offsets(k), True)
+        self.write()
+
+    def _offsets(self, k: int) -> list[int]:
+        """Read batch ``k``'s page offsets; READ_SETS: the write batch's."""
+        base = k * self.read_pages * self.page
+        n = BATCH if k == READ_SETS else self.read_pages
+        return [base + i * self.page for i in range(n)]
+
+    def read(self, k: int) -> None:
+        direct_io(self.readers, self.threads, self.fd, self.dst, self._offsets(k % READ_SETS), False)
+
+    def write(self) -> float:
+        return timed(lambda: direct_io(self.writers, self.threads, self.fd, self.src, self._offsets(READ_SETS), True))
+
+    def close(self) -> None:
+        self.readers.shutdown()
+        self.writers.shutdown()
+        os.close(self.fd)
+        os.remove(self.file)
+
+
+def read_batches(mix: Mix, n: int, pause: float, rng: random.Random, first: int) -> list[float]:
+    """Latencies (ms) of ``n`` read batches, each after a random pause of up to
+    ``pause`` s (prefetches arrive when requests do, not in step with the writes)."""
+    out = []
+    for k in range(first, first + n):
+        time.sleep(rng.uniform(0, pause))
+        out.append(1e3 * timed(lambda: mix.read(k)))
+    return out
+
+
+def mixed_rounds(mix: Mix, phase: str, reads: int, writes: int, pause: float, rng: random.Random) -> Generator[dict[str, list[float]], None, None]:
+    """One phase of one system per round: "read" (read batches alone: idle latency),
+    "write" (``writes`` batches back to back: the write limit), "mixed" (the read
+    batches while one thread writes batches back to back, from the end of its first
+    batch until the reads are done: read latency and write GB/s under both)."""
+    gb = mix.page * BATCH / 1e9
+    k = 0
+    while True:
+        if phase == "read":
+            yield {"read_ms": read_batches(mix, reads, pause, rng, k)}
+        elif phase == "write":
+            yield {"write_gbps": [gb / mix.write() for _ in range(writes)]}
+        else:
+            secs: list[float] = []
+            failed: list[BaseException] = []
+            started, stop = threading.Event(), threading.Event()
+
+            def stream() -> None:
+                try:
+                    while not stop.is_set():
+                        secs.append(mix.write())
+                        started.set()
+                except BaseException as e:
+                    failed.append(e)
+                    started.set()
+
+            writer = threading.Thread(target=stream, name="bench-writes")
+            writer.start()
+            started.wait()
+            try:
+                lat = read_batches(mix, reads, pause, rng, k) if not failed else []
+            finally:
+                stop.set()
+                writer.join()
+            if failed:
+                raise failed[0]
+            yield {"read_ms": lat, "write_gbps": [gb / s for s in secs[1:]]}  # the first batch ran alone
+        k += reads
+
+
+def bench_mixed(work: str, url: str, size: int, threads: int, repeat: int, reads: int, pause: float,
+                rng: random.Random) -> dict[str, Any]:
+    """tierstore ("ts") and the O_DIRECT limit ("disk") at one page size, all phases of
+    both interleaved, in a new random order each round."""
+    p, layers, heads, dim = GEOMETRY[size]
+    read_pages = READ_BYTES // size
+    pool = mha_pool("page_first_direct", page_size=p, layers=layers, heads=heads, head_dim=dim,
+                    tokens=-(-(BATCH + read_pages) // 2) * p)  # host pool: twice that, the write and read pages
+    assert page_bytes(pool) == size
+    fill(pool, 0)
+    writes = max(2, (1 << 30) // (size * BATCH))  # at least 1 GiB per round
+    mixes: dict[str, Mix] = {}
+    try:
+        mixes["ts"] = TierstoreMix(work, url, pool, size, threads)
+        mixes["disk"] = DiskMix(work, pool, size, threads)
+        samples = interleave({f"{name}:{phase}": mixed_rounds(mix, phase, reads, writes, pause, rng)
+                              for name, mix in mixes.items() for phase in ("read", "write", "mixed")}, repeat, rng)
+    finally:
+        for mix in mixes.values():
+            mix.close()
+    row: dict[str, Any] = {"page_bytes": size, "read_pages": read_pages, "write_batches_alone": writes}
+    for name in mixes:
+        got = {ph: {m: [x for r in samples[f"{name}:{ph}"] for x in r[m]] for m in samples[f"{name}:{ph}"][0]}
+               for ph in ("read", "write", "mixed")}
+        row[name] = {"read_idle_ms": stats(got["read"]["read_ms"]), "read_mixed_ms": stats(got["mixed"]["read_ms"]),
+                     "write_alone_gbps": stats(got["write"]["write_gbps"]), "write_mixed_gbps": stats(got["mixed"]["write_gbps"])}
+    ts, disk = row["ts"], row["disk"]
+    row["ts_over_disk"] = {
+        "read_mixed": {q: ts["read_mixed_ms"][q] / disk["read_mixed_ms"][q] for q in ("median", "p90", "p99")},
+        "read_idle": {q: ts["read_idle_ms"][q] / disk["read_idle_ms"][q] for q in ("median", "p90", "p99")},
+        "write_alone": ts["write_alone_gbps"]["median"] / disk["write_alone_gbps"]["median"],
+        "write_mixed": ts["write_mixed_gbps"]["median"] / disk["write_mixed_gbps"]["median"],
+    }
+    return row
+
+
+def print_mixed(spec: str, row: dict[str, Any]) -> None:
+    size, n = row["page_bytes"], row["read_pages"]
+    print(f"\n{spec} pages ({size} B): read batches of {n} pages ({n * size >> 20} MiB), write batches of {BATCH}"
+          f" ({BATCH * size >> 20} MiB); read ms, write GB/s: median [p90 p99] (n)")
+    cols = (("read idle", "read_idle_ms"), ("read under writes", "read_mixed_ms"),
+            ("write alone", "write_alone_gbps"), ("write under reads", "write_mixed_gbps"))
+    print("        " + "".join(f"{c:<28}" for c, _ in cols))
+    for name in ("ts", "disk"):
+        cells = []
+        for _, k in cols:
+            st = row[name][k]
+            cells.append(f"{st['median']:7.2f} [{st['p90']:.2f} {st['p99']:.2f}] ({st['n']})")
+        print(f"  {name:<6}" + "".join(f"{c:<28}" for c in cells))
+    r = row["ts_over_disk"]
+    mixed, idle = r["read_mixed"], r["read_idle"]
+    print(f"  ts / disk, read under writes: p50 {mixed['median']:.2f}, p90 {mixed['p90']:.2f}, p99 {mixed['p99']:.2f}"
+          f" (target <= 1.3); read idle: p50 {idle['median']:.2f}, p90 {idle['p90']:.2f}, p99 {idle['p99']:.2f}")
+    print(f"  ts / disk, write alone {r['write_alone']:.2f} (target >= 0.9), write under reads {r['write_mixed']:.2f}")
+
+
+def bench_size(work: str, url: str, size: int, threads: int, repeat: int, rng: random.Random) -> dict[str, Any]:
+    """Every system of the I/O benchmark at one page size, rounds interleaved."""
+    p, layers, heads, dim = GEOMETRY[size]
+    mha = mha_pool("page_first_direct", page_size=p, layers=layers, heads=heads, head_dim=dim, tokens=BATCH * p)
+    mla = mla_pool("page_first", page_size=64, layers=MLA_LAYERS[size], kv_lora_rank=512, rope_dim=64, tokens=BATCH * 64)
+    fill(mha, 0)
+    fill(mla, 1)
+    half = mha_pool("page_first_direct", page_size=p, layers=max(1, layers // 2), heads=heads, head_dim=dim, tokens=BATCH * p)
+    info: dict[str, dict[str, Any]] = {"ts_v1": {}, "ts_v2": {}, "ts_mla": {}, "ts_steady": {}}
+    samples = interleave({
+        "disk": disk_rounds(work, size, threads, mha),
+        "hicache": hicache_rounds(work, mha),
+        "ts_v1": tierstore_rounds(work, url, mha, threads, False, False, info["ts_v1"]),
+        "ts_v2": tierstore_rounds(work, url, mha, threads, True, False, info["ts_v2"]),
+        "ts_mla": tierstore_rounds(work, url, mla, threads, False, True, info["ts_mla"]),
+        "ts_v1_nocks": tierstore_rounds(work, url, mha, threads, False, False, {}, checksum=False),
+        "ts_v1_nocoal": tierstore_rounds(work, url, mha, threads, False, False, {}, coalesce=False),
+        "ts_steady": steady_rounds(work, url, mha, half, threads, info["ts_steady"]),
+        "ts_cycle": cycle_rounds(work, url, mha, half, threads),
+    }, repeat, rng)
+    row: dict[str, Any] = {"page_bytes": page_bytes(mha)}
+    for name, rounds in samples.items():
+        nbytes = page_bytes(mla) if name == "ts_mla" else size
+        row[name] = {**rates(nbytes, rounds), **info.get(name, {})}
+    row["ts_mla"]["page_bytes"] = page_bytes(mla)
+    return row
+
+
+def package_source() -> dict[str, Any]:
+    """The sglang_tierstore this run measures (PYTHONPATH picks the checkout; without it,
+    the installed one) and its checkout's commit, and whether its package files differ from it."""
+    import sglang_tierstore
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(sglang_tierstore.__file__)))
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True).stdout.strip()
+
+    return {"file": sglang_tierstore.__file__, "commit": git("rev-parse", "HEAD"),
+            "modified": bool(git("status", "--porcelain", "--", "sglang_tierstore")), "pythonpath": os.environ.get("PYTHONPATH", "")}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", default="/var/tmp/tierstore-bench")
-    ap.add_argument("--sizes", default="256K,1M,2M,8M")
+    ap.add_argument("--mixed", action="store_true", help="the mixed read/write benchmark instead")
+    ap.add_argument("--sizes", help="default 256K,1M,2M,8M; with --mixed 256K,2M,8M")
     ap.add_argument("--threads", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--probe-repeat", type=int, default=300)
+    ap.add_argument("--reads", type=int, default=20, help="--mixed: read batches per phase and round")
+    ap.add_argument("--pause", type=float, default=0.01, help="--mixed: longest random pause before a read batch (s)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the round order")
     ap.add_argument("--out")
     a = ap.parse_args()
@@ -489,44 +795,29 @@ def main() -> int:
     units = {"K": 1 << 10, "M": 1 << 20}
     rng = random.Random(a.seed)
     report: dict[str, Any] = {
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]), "package": package_source(),
         "threads": a.threads, "batch": BATCH, "repeat": a.repeat, "seed": a.seed, "sizes": {},
         "machine": {"cpus": os.cpu_count(), "dir": a.dir},
     }
+    if a.mixed:
+        report.update(reads=a.reads, pause_s=a.pause, read_bytes=READ_BYTES, read_sets=READ_SETS, keep=KEEP)
+        pkg = report["package"]
+        print(f"sglang_tierstore: {pkg['file']} (commit {pkg['commit'][:10]}{', modified' if pkg['modified'] else ''})")
     try:
-        for spec in a.sizes.split(","):
+        for spec in (a.sizes or ("256K,2M,8M" if a.mixed else "256K,1M,2M,8M")).split(","):
             size = int(spec[:-1]) * units[spec[-1]]
-            p, layers, heads, dim = GEOMETRY[size]
-            mha = mha_pool("page_first_direct", page_size=p, layers=layers, heads=heads, head_dim=dim, tokens=BATCH * p)
-            mla = mla_pool("page_first", page_size=64, layers=MLA_LAYERS[size], kv_lora_rank=512, rope_dim=64, tokens=BATCH * 64)
-            g = torch.Generator().manual_seed(0)
-            for pool in (mha, mla):
-                raw = pool.kv_buffer.view(-1).view(torch.uint8)
-                raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
-            half = mha_pool("page_first_direct", page_size=p, layers=max(1, layers // 2), heads=heads, head_dim=dim, tokens=BATCH * p)
-            info: dict[str, dict[str, Any]] = {"ts_v1": {}, "ts_v2": {}, "ts_mla": {}, "ts_steady": {}}
-            samples = interleave({
-                "disk": disk_rounds(work, size, a.threads, mha),
-                "hicache": hicache_rounds(work, mha),
-                "ts_v1": tierstore_rounds(work, url, mha, a.threads, False, False, info["ts_v1"]),
-                "ts_v2": tierstore_rounds(work, url, mha, a.threads, True, False, info["ts_v2"]),
-                "ts_mla": tierstore_rounds(work, url, mla, a.threads, False, True, info["ts_mla"]),
-                "ts_v1_nocks": tierstore_rounds(work, url, mha, a.threads, False, False, {}, checksum=False),
-                "ts_v1_nocoal": tierstore_rounds(work, url, mha, a.threads, False, False, {}, coalesce=False),
-                "ts_steady": steady_rounds(work, url, mha, half, a.threads, info["ts_steady"]),
-                "ts_cycle": cycle_rounds(work, url, mha, half, a.threads),
-            }, a.repeat, rng)
-            row: dict[str, Any] = {"page_bytes": page_bytes(mha)}
-            for name, rounds in samples.items():
-                nbytes = page_bytes(mla) if name == "ts_mla" else size
-                row[name] = {**rates(nbytes, rounds), **info.get(name, {})}
-            row["ts_mla"]["page_bytes"] = page_bytes(mla)
-            del mha, mla, half
+            if a.mixed:
+                row = bench_mixed(work, url, size, a.threads, a.repeat, a.reads, a.pause, rng)
+                print_mixed(spec, row)
+            else:
+                row = bench_size(work, url, size, a.threads, a.repeat, rng)
+                print_row(spec, row)
             report["sizes"][spec] = row
-            print_row(spec, row)
-        measure_syscall(work)
-        report["probe"] = bench_probe(work, url, a.probe_repeat)
-        print_probe(report["probe"])
+            sys.stdout.flush()
+        if not a.mixed:
+            measure_syscall(work)
+            report["probe"] = bench_probe(work, url, a.probe_repeat)
+            print_probe(report["probe"])
     finally:
         redis_proc.kill()
         shutil.rmtree(work, ignore_errors=True)
