@@ -287,13 +287,13 @@ def tierstore_rounds(path: str, redis_url: str, pool: Any, threads: int, v2: boo
                     patches.enter_context(mock.patch.object(ts_store, "checksum", lambda regions: 0))
                 if not coalesce:
                     patches.enter_context(mock.patch.object(ts_store, "MAX_RUN_BYTES", 0))
-                redis_s[0] = 0.0
+                redis_s.s = 0.0
                 w = timed(lambda: out.append(set_()))
-                write_redis_ms.append(1e3 * redis_s[0])
+                write_redis_ms.append(1e3 * redis_s.s)
                 drop_cache(d)
-                redis_s[0] = 0.0
+                redis_s.s = 0.0
                 cold = timed(lambda: out.append(get_()))
-                read_redis_ms.append(1e3 * redis_s[0])
+                read_redis_ms.append(1e3 * redis_s.s)
                 warm = timed(lambda: out.append(get_()))
             assert all(all(x) for x in out), "a tierstore call failed during the benchmark"
             yield w, cold, warm
@@ -342,9 +342,9 @@ def steady_rounds(path: str, redis_url: str, pool: Any, other: Any, threads: int
             assert all(side.batch_set_v1([sgl_key() for _ in range(BATCH)], osrc))
             keys = [sgl_key() for _ in range(BATCH)]
             out: list[Any] = []
-            redis_s[0] = 0.0
+            redis_s.s = 0.0
             w = timed(lambda: out.append(main.batch_set_v1(keys, src)))
-            write_redis_ms.append(1e3 * redis_s[0])
+            write_redis_ms.append(1e3 * redis_s.s)
             drop_cache(d)
             cold = timed(lambda: out.append(main.batch_get_v1(keys, dst)))
             warm = timed(lambda: out.append(main.batch_get_v1(keys, dst)))
@@ -472,10 +472,10 @@ def bench_probe(path: str, redis_url: str, repeat: int) -> dict[str, Any]:
         for _ in range(max(20, repeat // 10)):
             keys = [sgl_key() for _ in range(BATCH)]
             for op, total, py in ((lambda: be.batch_set_v1(keys, src), sets, set_py), (lambda: be.batch_get_v1(keys, dst), gets, get_py)):
-                redis_s[0] = 0.0
+                redis_s.s = 0.0
                 t = timed(op)
                 total.append(1e6 * t / BATCH)
-                py.append(1e6 * (t - redis_s[0]) / BATCH - SYSCALL_US["set" if total is sets else "get"])
+                py.append(1e6 * (t - redis_s.s) / BATCH - SYSCALL_US["set" if total is sets else "get"])
             be.clear()  # next round rewrites these slots, as SYSCALL_US was measured (no new page-cache pages)
         out["us_per_page_set_4k"] = stats(sets)
         out["us_per_page_get_4k"] = stats(gets)
@@ -503,9 +503,16 @@ def measure_syscall(path: str) -> None:
     os.remove(f)
 
 
-def count_redis_time(be: TierStoreBackend) -> list[float]:
+class RedisTime(threading.local):
+    """Seconds spent waiting on Redis, each thread's own (``s``): the housekeeping thread's
+    calls, or a concurrent reader's, do not count in a writer's."""
+
+    s = 0.0
+
+
+def count_redis_time(be: TierStoreBackend) -> RedisTime:
     """Wrap the backend's index calls to add up the time spent waiting on Redis."""
-    acc = [0.0]
+    acc = RedisTime()
     idx = be.store.index
     for name in ("hmget", "scripts"):
         fn = getattr(idx, name)
@@ -515,7 +522,7 @@ def count_redis_time(be: TierStoreBackend) -> list[float]:
             try:
                 return _fn(*a, **k)
             finally:
-                acc[0] += time.perf_counter() - t0
+                acc.s += time.perf_counter() - t0
 
         setattr(idx, name, timed_call)
     return acc
@@ -566,6 +573,8 @@ class TierstoreMix:
         for keys in self.reads:
             assert all(self.be.batch_set_v1(keys, self.src[: self.read_pages * ps]))
         self.written: list[list[str]] = []
+        self.redis = count_redis_time(self.be)
+        self.write_redis_ms: list[float] = []  # of each write batch: its COMMIT (and stock refills) in Redis
         for _ in range(KEEP + 2):  # every region the stream uses written once before it is timed
             self.write()
 
@@ -575,7 +584,9 @@ class TierstoreMix:
     def write(self) -> float:
         keys = [sgl_key() for _ in range(BATCH)]
         out: list[list[bool]] = []
+        self.redis.s = 0.0
         t = timed(lambda: out.append(self.be.batch_set_v1(keys, self.src)))
+        self.write_redis_ms.append(1e3 * self.redis.s)
         assert all(out[0]), "a write was not stored"
         self.written.append(keys)
         if len(self.written) > KEEP:
@@ -690,11 +701,14 @@ def bench_mixed(work: str, url: str, size: int, threads: int, repeat: int, reads
     fill(pool, 0)
     writes = max(2, (1 << 30) // (size * BATCH))  # at least 1 GiB per round
     mixes: dict[str, Mix] = {}
+    redis_ms: list[float] = []
     try:
-        mixes["ts"] = TierstoreMix(work, url, pool, size, threads)
+        ts_mix = TierstoreMix(work, url, pool, size, threads)
+        mixes["ts"] = ts_mix
         mixes["disk"] = DiskMix(work, pool, size, threads)
         samples = interleave({f"{name}:{phase}": mixed_rounds(mix, phase, reads, writes, pause, rng)
                               for name, mix in mixes.items() for phase in ("read", "write", "mixed")}, repeat, rng)
+        redis_ms = ts_mix.write_redis_ms[KEEP + 2 :]  # the timed batches'
     finally:
         for mix in mixes.values():
             mix.close()
@@ -705,11 +719,16 @@ def bench_mixed(work: str, url: str, size: int, threads: int, repeat: int, reads
         row[name] = {"read_idle_ms": stats(got["read"]["read_ms"]), "read_mixed_ms": stats(got["mixed"]["read_ms"]),
                      "write_alone_gbps": stats(got["write"]["write_gbps"]), "write_mixed_gbps": stats(got["mixed"]["write_gbps"])}
     ts, disk = row["ts"], row["disk"]
+    ts["write_redis_ms"] = stats(redis_ms)
+    # write alone with the time each batch waits on Redis taken out: what tierstore's own I/O reaches
+    batch_s = size * BATCH / 1e9 / ts["write_alone_gbps"]["median"]
+    ts["write_alone_without_redis_gbps"] = size * BATCH / 1e9 / (batch_s - ts["write_redis_ms"]["median"] / 1e3)
     row["ts_over_disk"] = {
         "read_mixed": {q: ts["read_mixed_ms"][q] / disk["read_mixed_ms"][q] for q in ("median", "p90", "p99")},
         "read_idle": {q: ts["read_idle_ms"][q] / disk["read_idle_ms"][q] for q in ("median", "p90", "p99")},
         "write_alone": ts["write_alone_gbps"]["median"] / disk["write_alone_gbps"]["median"],
         "write_mixed": ts["write_mixed_gbps"]["median"] / disk["write_mixed_gbps"]["median"],
+        "write_alone_without_redis": ts["write_alone_without_redis_gbps"] / disk["write_alone_gbps"]["median"],
     }
     return row
 
@@ -732,6 +751,9 @@ def print_mixed(spec: str, row: dict[str, Any]) -> None:
     print(f"  ts / disk, read under writes: p50 {mixed['median']:.2f}, p90 {mixed['p90']:.2f}, p99 {mixed['p99']:.2f}"
           f" (target <= 1.3); read idle: p50 {idle['median']:.2f}, p90 {idle['p90']:.2f}, p99 {idle['p99']:.2f}")
     print(f"  ts / disk, write alone {r['write_alone']:.2f} (target >= 0.9), write under reads {r['write_mixed']:.2f}")
+    gb, rms = size * BATCH / 1e9, row["ts"]["write_redis_ms"]["median"]
+    print(f"  ts write batch alone: {1e3 * gb / row['ts']['write_alone_gbps']['median']:.1f} ms, of which {rms:.1f} ms"
+          f" waiting on Redis (median of all batches); without it / disk: {r['write_alone_without_redis']:.2f}")
 
 
 def bench_size(work: str, url: str, size: int, threads: int, repeat: int, rng: random.Random) -> dict[str, Any]:
