@@ -304,6 +304,9 @@ def test_storage_io_and_paired_differences() -> None:
     assert pair["n"] == 3 and pair["median_s"] == pytest.approx(-0.1) and pair["faster"] == 2
     lo, hi = pair["ci95_s"]
     assert lo <= pair["median_s"] <= hi
+    first = tiers.paired(rows([1.0]) + [{"user": 0, "turn": 1, "ttft_s": 2.0}], rows([1.0]) + [{"user": 0, "turn": 1, "ttft_s": 1.5}],
+                         returning=False)
+    assert first["n"] == 1 and first["median_s"] == pytest.approx(-0.5)  # backup users are first turns too, but left out
 
 
 def test_provenance_names_the_checkout_the_server_imported(tmp_path: Path) -> None:
