@@ -4,6 +4,16 @@
     python3 scripts/loadtest_tiers.py                      # CPU: a random-weight model built here
     python3 scripts/loadtest_tiers.py --model /models/x --server-args "--tp 1"   # a GPU machine
 
+Two checkouts of tierstore against each other, under backup traffic (what
+``scripts/results/loadtest_backups`` holds; see "Before and after" below)::
+
+    OPTS="--configs l2+tierstore --hidden 256 --layers 16 --heads 8 --kv-heads 8 --head-dim 128 \\
+          --output-length 4 --backup-rate 0.05 --backup-length 2048 --workdir /tmp/tierstore-loadtest-backups \\
+          --output-dir scripts/results/loadtest_backups"
+    python3 scripts/loadtest_tiers.py $OPTS --tierstore-src OLD_CHECKOUT --label before
+    python3 scripts/loadtest_tiers.py $OPTS --tierstore-src NEW_CHECKOUT --label after
+    python3 scripts/loadtest_tiers.py $OPTS --report-only --runs l2+tierstore@before,l2+tierstore@after
+
 Starts ``sglang.launch_server`` four times with the same model and runs
 ``multiturn_loadtest.py`` with the same seed against each: no HiCache, HiCache with host
 memory only (L2), L2 + SGLang's ``file`` backend, L2 + tierstore. Before the tierstore run
@@ -14,11 +24,25 @@ prediction for each run next to the shares that run measured.
 
 Results go to ``--output-dir`` (default ``scripts/results/loadtest``): per run its JSONL and
 summary JSON, ``compare_*.png``, ``calibration.json``, ``planner.json`` and ``summary.txt``.
+
+Before and after: ``--tierstore-src DIR`` puts DIR first on the server's PYTHONPATH, so the
+server imports that checkout's ``sglang_tierstore``; the CPU harness's shim prints the file
+each server process imported it from, and the run fails unless that is DIR's. ``--label L``
+names the run ``<config>@L`` (its files, its curves), so runs of several checkouts share one
+output directory; the summary JSON of a tierstore run gets a ``tierstore`` entry: the file
+imported, its checkout's ``git rev-parse HEAD``, whether the package differs from that
+commit, and a hash of the package's sources. ``--runs`` chooses the runs the report compares
+(default: this invocation's). ``--backup-rate``/``--backup-length`` add one-turn users whose
+pages are written through to L3 while the returning users prefetch from it (see
+multiturn_loadtest.py); the report then adds each run's storage I/O from /metrics: pages
+and MB written and read, and tierstore's batch latencies.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
+import hashlib
 import json
 import math
 import os
@@ -68,7 +92,7 @@ def server_flags(args: argparse.Namespace, config: str, workdir: str) -> list[st
     if args.model:
         base = ["--page-size", str(args.page_size), "--enable-cache-report", "--enable-metrics", *args.server_args.split()]
         hicache = ["--enable-hierarchical-cache", "--hicache-ratio", str(args.hicache_ratio),
-                   "--hicache-write-policy", "write_through"]
+                   "--hicache-write-policy", "write_through", "--hicache-storage-prefetch-policy", str(args.prefetch_policy)]
     else:
         base = replace_flags(BASE_FLAGS, dtype=args.dtype, page_size=str(args.page_size),
                              max_total_tokens=str(args.max_total_tokens),
@@ -76,7 +100,7 @@ def server_flags(args: argparse.Namespace, config: str, workdir: str) -> list[st
                              context_length=str(args.context_length)) + ["--enable-metrics", *args.server_args.split()]
         hicache = ["--enable-hierarchical-cache", "--hicache-ratio", str(args.hicache_ratio), "--hicache-io-backend",
                    "direct", "--hicache-mem-layout", "page_first_direct", "--hicache-write-policy", "write_through",
-                   "--hicache-storage-prefetch-policy", "wait_complete"]
+                   "--hicache-storage-prefetch-policy", str(args.prefetch_policy)]
     if config == "no-hicache":
         return base
     if config == "l2":
@@ -251,18 +275,134 @@ def shares(returning: list[dict[str, Any]], skip: int) -> dict[str, float]:
 
 def planner_table(preds: dict[str, dict[str, Any]]) -> str:
     cols = (*TIERS, "miss")
-    lines = [f"{'run':<14}{'':<12}" + "".join(f"{t:>9}" for t in cols) + "   windows device/host/storage (s)"]
-    for config, d in preds.items():
+    width = max(14, 2 + max(map(len, preds)))
+    lines = [f"{'run':<{width}}{'':<12}" + "".join(f"{t:>9}" for t in cols) + "   windows device/host/storage (s)"]
+    for tag, d in preds.items():
         for i, (label, key) in enumerate((("planner", "raw"), ("planner*", "effective"))):
             w = d[key]["windows_s"]
             win = "/".join(f"{w[t]:.0f}" if isinstance(w[t], float) else str(w[t]) for t in TIERS)
-            lines.append(f"{config if i == 0 else '':<14}{label:<12}"
+            lines.append(f"{tag if i == 0 else '':<{width}}{label:<12}"
                          + "".join(f"{100 * d[key]['shares'][t]:>8.0f}%" for t in cols) + f"   {win}")
         mw = d["measured_windows_s"]
-        lines.append(f"{'':<14}{'measured':<12}" + "".join(f"{100 * d['measured_own_shares'][t]:>8.0f}%" for t in cols)
+        lines.append(f"{'':<{width}}{'measured':<12}" + "".join(f"{100 * d['measured_own_shares'][t]:>8.0f}%" for t in cols)
                      + "   " + "/".join(f"{mw[t]:.0f}" for t in TIERS) + " (gap quantiles at these shares)")
-        lines.append(f"{'':<14}{'(+system)':<12}" + "".join(f"{100 * d['measured_shares'][t]:>8.0f}%" for t in cols))
+        lines.append(f"{'':<{width}}{'(+system)':<12}" + "".join(f"{100 * d['measured_shares'][t]:>8.0f}%" for t in cols))
     return "\n".join(lines)
+
+
+# -- before and after: which tierstore, what L3 did, paired differences -----------------------
+
+IMPORT_NOTE = "cpu harness: sglang_tierstore imported from "  # printed by tests/cpu_harness/shim
+
+
+def imported_from(log: str, offset: int) -> list[str]:
+    """The files the server's processes imported ``sglang_tierstore`` from, as the CPU
+    harness's shim printed them in ``log`` after ``offset``."""
+    with open(log, errors="replace") as f:
+        f.seek(offset)
+        return sorted({line.split(IMPORT_NOTE, 1)[1].strip() for line in f if IMPORT_NOTE in line})
+
+
+def provenance(files: list[str], src: str | None) -> dict[str, Any] | None:
+    """Which tierstore a run's server ran: the files it imported (``files``; on a GPU
+    machine, without the shim, none are known and ``src`` is taken at its word), the
+    checkout's commit, whether the package differs from that commit, and a hash of the
+    package's sources. Raises if the server imported it from anywhere but ``src``."""
+    pkgs = {os.path.dirname(f) for f in files}
+    if len(pkgs) > 1:
+        raise RuntimeError(f"the server's processes imported sglang_tierstore from {sorted(pkgs)}")
+    if pkgs:
+        root = os.path.dirname(pkgs.pop())
+        if src and os.path.realpath(root) != os.path.realpath(src):
+            raise RuntimeError(f"the server imported sglang_tierstore from {files}, not from --tierstore-src {src}")
+    elif src:
+        root = src
+    else:
+        return None
+    pkg = os.path.join(root, "sglang_tierstore")
+    digest = hashlib.sha256()
+    for path in sorted(glob.glob(os.path.join(pkg, "*.py"))):
+        with open(path, "rb") as f:
+            digest.update(os.path.basename(path).encode() + b"\0" + f.read())
+
+    def git(*a: str) -> str:
+        return subprocess.run(["git", "-C", root, *a], capture_output=True, text=True, check=True).stdout.strip()
+
+    return {"imported_from": files or None, "checkout": root, "head": git("rev-parse", "HEAD"),
+            "package_modified": bool(git("status", "--porcelain", "--", "sglang_tierstore")),
+            "package_sha256": digest.hexdigest()}
+
+
+def storage_io(summary: dict[str, Any]) -> dict[str, Any]:
+    """What L3 did during one run, from its /metrics counters: pages and MB written and read
+    by tierstore, MB/s written over the run, and tierstore's batch latencies per operation
+    (mean, and the histogram bucket bound under which the 50th/90th/99th percentile lies)."""
+    d: dict[str, float] = summary["metrics_delta"]
+
+    def total(name: str, **labels: str) -> float:
+        return sum(v for k, v in d.items()
+                   if k.split("{")[0] == name and all(f'{a}="{b}"' in k for a, b in labels.items()))
+
+    out: dict[str, Any] = {
+        "pages_written": total("tierstore_pages_total", op="write", outcome="stored"),
+        "pages_not_written": total("tierstore_pages_total", op="write") - total("tierstore_pages_total", op="write", outcome="stored"),
+        "pages_read": total("tierstore_pages_total", op="read", outcome="hit"),
+        "pages_read_missed": total("tierstore_pages_total", op="read", outcome="miss"),
+        "mb_written": total("tierstore_bytes_total", op="write") / 1e6, "mb_read": total("tierstore_bytes_total", op="read") / 1e6,
+        "backuped_tokens": total("sglang:backuped_tokens_total"), "prefetched_tokens": total("sglang:prefetched_tokens_total"),
+    }
+    out["mb_per_s_written"] = out["mb_written"] / summary["duration_s"]
+    for op in ("read", "write"):
+        n = total("tierstore_batch_seconds_count", op=op)
+        buckets = sorted((float(k.split('le="')[1].split('"')[0]), v) for k, v in d.items()
+                         if k.startswith("tierstore_batch_seconds_bucket{") and f'op="{op}"' in k)
+        out[f"{op}_batches"] = n
+        out[f"{op}_batch_mean_s"] = total("tierstore_batch_seconds_sum", op=op) / n if n else None
+        for q in (50, 90, 99):
+            out[f"{op}_batch_p{q}_below_s"] = next((le for le, c in buckets if c >= q / 100 * n), None) if n else None
+    return out
+
+
+def storage_table(runs: dict[str, dict[str, Any]]) -> str:
+    """One line per run: its L3 traffic and tierstore's read and write batch latencies."""
+    width = max(14, 2 + max(map(len, runs)))
+
+    def lat(io: dict[str, Any], op: str) -> str:
+        if not io[f"{op}_batches"]:
+            return f"{'-':>44}"
+        bounds = "/".join(f"{1e3 * io[f'{op}_batch_p{q}_below_s']:g}" for q in (50, 90, 99))
+        return f"{io[f'{op}_batches']:>16.0f}{1e3 * io[f'{op}_batch_mean_s']:>9.1f}{'<=' + bounds:>19}"
+
+    lines = [f"{'':<{width}}{'written':>10}{'MB':>8}{'MB/s':>7}{'read':>8}{'MB':>8}"
+             + "".join(f"{op + ' batches':>16}{'mean ms':>9}{'p50/90/99 ms':>19}" for op in ("read", "write"))]
+    for tag, s in runs.items():
+        io = storage_io(s)
+        lines.append(f"{tag:<{width}}{io['pages_written']:>10.0f}{io['mb_written']:>8.0f}{io['mb_per_s_written']:>7.1f}"
+                     f"{io['pages_read']:>8.0f}{io['mb_read']:>8.0f}{lat(io, 'read')}{lat(io, 'write')}")
+    return "\n".join(lines)
+
+
+def paired(ref_rows: list[dict[str, Any]], rows: list[dict[str, Any]], returning: bool = True,
+           reps: int = 2000) -> dict[str, Any] | None:
+    """TTFT differences (``rows``' run minus ``ref_rows``') of the returning turns (or, with
+    ``returning`` False, the first turns) both runs completed, matched by user and turn (same
+    seed: the same request in both): their median, with a 95% bootstrap interval over the
+    pairs. The interval covers which requests happened to be sampled, not what differs from
+    run to run (the machine, the timing of a queue): first turns, which read nothing from L3,
+    show that part."""
+    def turns(rs: list[dict[str, Any]]) -> dict[tuple[int, int], float]:
+        return {(r["user"], r["turn"]): r["ttft_s"] for r in rs
+                if (r["turn"] > 1) == returning and not r.get("backup") and r["ttft_s"] is not None}
+
+    a, b = turns(ref_rows), turns(rows)
+    diffs = [b[k] - a[k] for k in sorted(a.keys() & b.keys())]
+    if not diffs:
+        return None
+    rng = random.Random(0)
+    meds = sorted(statistics.median(rng.choices(diffs, k=len(diffs))) for _ in range(reps))
+    return {"n": len(diffs), "median_s": statistics.median(diffs),
+            "ci95_s": (meds[int(0.025 * reps)], meds[int(0.975 * reps) - 1]),
+            "faster": sum(1 for x in diffs if x < 0)}
 
 
 # -- the runs ---------------------------------------------------------------------------------
@@ -276,7 +416,8 @@ def loadtest_args(args: argparse.Namespace, model: str, url: str, tag: str) -> l
             "--request-rate", str(args.request_rate), "--system-prompt-length", str(args.system_prompt_length),
             "--num-tenants", str(args.num_tenants), "--think-time-median", str(args.think_time_median),
             "--think-time-sigma", str(args.think_time_sigma), "--max-parallel", str(args.max_parallel),
-            "--gap-buckets", args.gap_buckets]
+            "--gap-buckets", args.gap_buckets, "--backup-rate", str(args.backup_rate),
+            "--backup-length", str(args.backup_length)]
 
 
 def stop_embedded_redis(store: str) -> None:
@@ -287,33 +428,50 @@ def stop_embedded_redis(store: str) -> None:
         pass  # not running
 
 
-def report(args: argparse.Namespace, configs: list[str], model: str, bpt: int) -> int:
-    """The comparison of the runs in ``--output-dir``: table and plots (``--compare``), the
-    calibration, the planner next to the measurement, the headline, and whether greedy
+def config_of(tag: str) -> str:
+    """The cache configuration of a run named ``<config>`` or ``<config>@<label>``."""
+    return tag.split("@", 1)[0]
+
+
+def calibration_path(output_dir: str, tag: str) -> str:
+    return os.path.join(output_dir, f"calibration{tag[len(config_of(tag)):]}.json")
+
+
+def report(args: argparse.Namespace, tags: list[str], model: str, bpt: int) -> int:
+    """The comparison of the runs ``tags`` in ``--output-dir``: table and plots
+    (``--compare``), the calibrations, the planner next to the measurement, each run's
+    tierstore and L3 traffic, the headline (with paired differences), and whether greedy
     outputs were identical; written to ``summary.txt``."""
-    calib_path = os.path.join(args.output_dir, "calibration.json")
-    calib: dict[str, Any] | None = None
-    if os.path.exists(calib_path):
-        with open(calib_path) as f:
-            calib = json.load(f)
-    summaries = [os.path.join(args.output_dir, f"{c}.summary.json") for c in configs]
+    calibs: dict[str, dict[str, Any]] = {}
+    for tag in tags:
+        if os.path.exists(calibration_path(args.output_dir, tag)):
+            with open(calibration_path(args.output_dir, tag)) as f:
+                calibs[tag] = json.load(f)
+    summaries = [os.path.join(args.output_dir, f"{t}.summary.json") for t in tags]
     table = subprocess.run([sys.executable, LOADTEST, "--compare", *summaries, "--output-dir", args.output_dir],
                            check=True, capture_output=True, text=True).stdout
-    runs = {c: load_rows(path) for c, path in zip(configs, summaries)}
-    outputs = {c: s["outputs"] for c, (s, _) in runs.items()}
-    ref = outputs[configs[0]]
-    differing = {c: sorted(k for k in ref if o.get(k) != ref[k]) for c, o in outputs.items()}
-    lines = [f"model {model}: {bpt} KV bytes/token; {len(ref)} requests per run", "", table, ""]
-    if calib:
-        lines += [f"calibration, a returning prefix of {calib['prefix_tokens']} tokens (medians of 3; TTFT end to end):",
+    runs = {t: load_rows(path) for t, path in zip(tags, summaries)}
+    outputs = {t: s["outputs"] for t, (s, _) in runs.items()}
+    ref_outputs = outputs[tags[0]]
+    differing = {t: sorted(k for k in ref_outputs if o.get(k) != ref_outputs[k]) for t, o in outputs.items()}
+    cfg = runs[tags[0]][0]["config"]
+    lines = [f"model {model}: {bpt} KV bytes/token; {len(ref_outputs)} requests per run"]
+    if cfg.get("backup_rate"):
+        lines.append(f"backup traffic: one-turn users of {cfg['backup_length']} tokens, {cfg['backup_rate']:g}/s "
+                     f"(~{cfg['backup_rate'] * cfg['backup_length'] * bpt / 1e6:.0f} MB/s of new KV offered)")
+    lines += ["", table, ""]
+    for tag, calib in calibs.items():
+        lines += [f"calibration ({tag}), a returning prefix of {calib['prefix_tokens']} tokens (medians of 3; TTFT end to end):",
                   (f"  cold {calib['cold_ttft_s'] * 1e3:.0f} ms   device hit {calib['device_ttft_s'] * 1e3:.0f} ms   "
                    f"host hit {calib['host_ttft_s'] * 1e3:.0f} ms   storage hit {calib['storage_ttft_s'] * 1e3:.0f} ms"),
                   (f"  recompute {calib['recompute_s'] * 1e3:.0f} ms vs read back from storage {calib['storage_read_s'] * 1e3:.0f} ms "
                    f"(beyond a device hit): {calib['recompute_over_storage_read']:.1f}x; cold TTFT / storage-hit TTFT "
                    f"{calib['cold_over_storage_ttft']:.1f}x"), ""]
+    if calibs:
         l3 = {"l2": None, "l2+file": math.inf, "l2+tierstore": args.l3_gb * 2**30 / bpt}
-        preds = {c: predict(s, rows, c, bpt, calib, l3[c]) for c, (s, rows) in runs.items()
-                 if c in l3 and any(r["turn"] > 1 and not r["error"] for r in rows)}
+        first = next(iter(calibs.values()))
+        preds = {t: predict(s, rows, config_of(t), bpt, calibs.get(t, first), l3[config_of(t)]) for t, (s, rows) in runs.items()
+                 if config_of(t) in l3 and any(r["turn"] > 1 and not r["error"] for r in rows)}
         with open(os.path.join(args.output_dir, "planner.json"), "w") as f:
             json.dump(preds, f, indent=1)
         lines += [("residency planner, from each run's pool sizes, measured return gaps and per-tier placement "
@@ -322,19 +480,46 @@ def report(args: argparse.Namespace, configs: list[str], model: str, bpt: int) -
                    "and host) and, on the device, the KV of requests in flight, rates over the busy period "
                    "(10th to 90th percentile of the returns' send times). measured: a user's own history; "
                    "(+system): with the tenant's system prompt:"), planner_table(preds), ""]
-    ret = {c: s["summary"]["returning"] for c, (s, _) in runs.items()}
-    if ret.get("l2+tierstore", {}).get("ttft_p50_s"):
-        ts = ret["l2+tierstore"]
-        lines.append(f"headline: returning turns, TTFT p50 / p90 with tierstore {ts['ttft_p50_s'] * 1e3:.0f} / "
-                     f"{ts['ttft_p90_s'] * 1e3:.0f} ms; storage served {100 * ts['storage_share']:.0f}% of their prefix tokens")
-        for other in ("l2", "no-hicache", "l2+file"):
-            o = ret.get(other, {})
-            if o.get("ttft_p50_s"):
-                lines.append(f"  vs {other:<11} p50 {o['ttft_p50_s'] * 1e3:6.0f} ms ({o['ttft_p50_s'] / ts['ttft_p50_s']:.2f}x tierstore's), "
-                             f"p90 {o['ttft_p90_s'] * 1e3:6.0f} ms ({o['ttft_p90_s'] / ts['ttft_p90_s']:.2f}x)")
+    stored = {t: s for t, (s, _) in runs.items() if config_of(t) == "l2+tierstore"}
+    if stored:
+        for tag, s in stored.items():
+            prov = s.get("tierstore")
+            if prov:
+                state = "modified since that commit" if prov["package_modified"] else "as committed"
+                where = ", ".join(prov["imported_from"]) if prov["imported_from"] else f"{prov['checkout']} (not checked: no shim)"
+                lines.append(f"{tag}: tierstore from {where}; commit {prov['head'][:12]}, package {state} "
+                             f"(sources sha256 {prov['package_sha256'][:12]})")
+            policy = dict(zip(s.get("server_flags", []), s.get("server_flags", [])[1:])).get("--hicache-storage-prefetch-policy")
+            if policy:
+                lines.append(f"{tag}: --hicache-storage-prefetch-policy {policy}")
+        lines += ["", ("L3 traffic per run, from /metrics: pages (and MB) tierstore wrote and read back, MB/s written "
+                       "over the run; tierstore's batch calls: how many, mean wall time, and the histogram bucket "
+                       "bounds under which the 50th/90th/99th percentile call lies:"), storage_table(stored), ""]
+    ret = {t: s["summary"]["returning"] for t, (s, _) in runs.items()}
+    ref = next((t for t in tags if config_of(t) == "l2+tierstore" and ret[t].get("ttft_p50_s")), None)
+    if ref:
+        ts = ret[ref]
+        width = max(map(len, tags))
+        lines.append(f"headline: returning turns, TTFT p50 / p90 / p99 with {ref} {ts['ttft_p50_s'] * 1e3:.0f} / "
+                     f"{ts['ttft_p90_s'] * 1e3:.0f} / {ts['ttft_p99_s'] * 1e3:.0f} ms ({ts['requests']} turns); "
+                     f"storage served {100 * ts['storage_share']:.0f}% of their prefix tokens; ratios below are to {ref}'s")
+        for other in tags:
+            o = ret[other]
+            if other == ref or not o.get("ttft_p50_s"):
+                continue
+            lines.append(f"  vs {other:<{width}} " + ", ".join(
+                f"{q} {o[f'ttft_{q}_s'] * 1e3:6.0f} ms ({o[f'ttft_{q}_s'] / ts[f'ttft_{q}_s']:.2f}x)" for q in ("p50", "p90", "p99"))
+                + f"; storage served {100 * (o['storage_share'] or 0):.0f}%")
+            for kind, ret_turns in (("returning turns", True), ("first turns (no L3 reads: the noise)", False)):
+                pair = paired(runs[ref][1], runs[other][1], ret_turns)
+                if pair:
+                    lo, hi = pair["ci95_s"]
+                    lines.append(f"  {'':<{width + 3}} the same {pair['n']} {kind} paired: median TTFT difference "
+                                 f"{pair['median_s'] * 1e3:+.0f} ms (95% bootstrap interval {lo * 1e3:+.0f} to "
+                                 f"{hi * 1e3:+.0f} ms); {pair['faster']} of {pair['n']} faster than in {ref}")
     same = all(not d for d in differing.values())
-    lines.append(f"greedy outputs identical across {', '.join(configs)}: {same}"
-                 + ("" if same else f" (differing requests: { {c: d for c, d in differing.items() if d} })"))
+    lines.append(f"greedy outputs identical across {', '.join(tags)}: {same}"
+                 + ("" if same else f" (differing requests: { {t: d for t, d in differing.items() if d} })"))
     text = "\n".join(lines)
     with open(os.path.join(args.output_dir, "summary.txt"), "w") as f:
         f.write(text + "\n")
@@ -345,15 +530,25 @@ def report(args: argparse.Namespace, configs: list[str], model: str, bpt: int) -
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workdir", default="/tmp/tierstore-loadtest")
+    ap.add_argument("--workdir", default="/tmp/tierstore-loadtest",
+                    help="model, servers' logs and stores; the servers run in it (so they never import the "
+                         "sglang_tierstore of the directory this was started from)")
     ap.add_argument("--output-dir", default=os.path.join(HERE, "results", "loadtest"))
     ap.add_argument("--model", help="a served model (GPU machine); default: build a random-weight Llama for CPU")
     ap.add_argument("--server-args", default="", help="extra server flags, for every run")
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {CONFIGS}")
     ap.add_argument("--report-only", action="store_true", help="no runs: redo the comparison of those in --output-dir")
+    ap.add_argument("--tierstore-src", help="a checkout whose sglang_tierstore the server imports (first on its PYTHONPATH)")
+    ap.add_argument("--label", help="names this invocation's runs <config>@LABEL (e.g. before, after)")
+    ap.add_argument("--runs", help="comma-separated runs (<config> or <config>@<label>) the report compares "
+                                   "(default: this invocation's)")
     srv = ap.add_argument_group("server sizing (CPU defaults: pools that typical think times outlast)")
-    srv.add_argument("--hidden", type=int, default=768, help="CPU model: hidden size (head dim 64)")
+    srv.add_argument("--hidden", type=int, default=768, help="CPU model: hidden size")
     srv.add_argument("--layers", type=int, default=8, help="CPU model: layers")
+    srv.add_argument("--heads", type=int, help="CPU model: attention heads (default hidden/64)")
+    srv.add_argument("--kv-heads", type=int, help="CPU model: KV heads (default hidden/256)")
+    srv.add_argument("--head-dim", type=int, help="CPU model: head dimension (default hidden/heads); with --kv-heads, "
+                                                  "the KV bytes per token apart from the compute")
     srv.add_argument("--dtype", default="float32",
                      help="CPU runs: float32 keeps greedy outputs identical whichever tier a prefix comes from "
                           "(in bfloat16 a recomputed prefix differs in the last bits from a cached one)")
@@ -363,6 +558,9 @@ def main() -> int:
     srv.add_argument("--context-length", type=int, default=4096)
     srv.add_argument("--hicache-ratio", type=float, default=2.0, help="host pool (L2) over device pool")
     srv.add_argument("--l3-gb", type=float, default=8.0, help="tierstore capacity")
+    srv.add_argument("--prefetch-policy", default="wait_complete", choices=("wait_complete", "best_effort", "timeout"),
+                     help="--hicache-storage-prefetch-policy: with wait_complete a slow prefetch shows up as TTFT, "
+                          "with best_effort as fewer storage hits")
     w = ap.add_argument_group("workload (see multiturn_loadtest.py)")
     w.add_argument("--seed", type=int, default=1)
     w.add_argument("--num-clients", type=int, default=24)
@@ -377,18 +575,35 @@ def main() -> int:
     w.add_argument("--think-time-sigma", type=float, default=0.8)
     w.add_argument("--max-parallel", type=int, default=8)
     w.add_argument("--gap-buckets", default="10,20,40,80,160")
+    w.add_argument("--backup-rate", type=float, default=0.0, help="one-turn users per second whose KV is written through to L3")
+    w.add_argument("--backup-length", type=int, default=2048, help="tokens of a backup user's prompt")
     args = ap.parse_args()
     configs = [c for c in args.configs.split(",") if c]
     unknown = set(configs) - set(CONFIGS)
     if unknown:
         ap.error(f"--configs: unknown {sorted(unknown)}; choose from {CONFIGS}")
+    suffix = f"@{args.label}" if args.label else ""
+    tags = [t for t in args.runs.split(",") if t] if args.runs else [c + suffix for c in configs]
+    if set(map(config_of, tags)) - set(CONFIGS):
+        ap.error(f"--runs: names <config> or <config>@<label>, with a config of {CONFIGS}")
+    args.workdir, args.output_dir = os.path.abspath(args.workdir), os.path.abspath(args.output_dir)
+    if args.tierstore_src:
+        args.tierstore_src = os.path.abspath(args.tierstore_src)
+        if not os.path.isfile(os.path.join(args.tierstore_src, "sglang_tierstore", "__init__.py")):
+            ap.error(f"--tierstore-src {args.tierstore_src}: no sglang_tierstore package there")
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (args.tierstore_src, os.environ.get("PYTHONPATH")) if p)
 
     os.makedirs(args.workdir, exist_ok=True)
     os.makedirs(args.output_dir, exist_ok=True)
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(args.workdir, "torch_extensions"))
-    model = args.model or tiny_model.build(os.path.join(args.workdir, f"model-{args.hidden}x{args.layers}"),
-                                           hidden=args.hidden, layers=args.layers, heads=args.hidden // 64,
-                                           kv_heads=max(1, args.hidden // 256))
+    heads = args.heads or args.hidden // 64
+    kv_heads = args.kv_heads or max(1, args.hidden // 256)
+    head_dim = args.head_dim or args.hidden // heads
+    model = args.model or tiny_model.build(
+        os.path.join(args.workdir, f"model-{args.hidden}x{args.layers}" + (
+            "" if (heads, kv_heads, head_dim) == (args.hidden // 64, max(1, args.hidden // 256), 64)
+            else f"-h{heads}kv{kv_heads}d{head_dim}")),
+        hidden=args.hidden, layers=args.layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
     with open(os.path.join(model, "config.json")) as f:
         bpt = kv_bytes_per_token(json.load(f), None if args.model else args.dtype)
     from transformers import AutoTokenizer
@@ -402,27 +617,39 @@ def main() -> int:
               + (mid - 2) * (args.sub_question_input_length + args.output_length))
 
     for config in configs if not args.report_only else []:
-        print(f"== {config}", flush=True)
-        log = os.path.join(args.workdir, f"server-{config.replace('+', '_')}.log")
-        with Server(model, free_port(), log, server_flags(args, config, args.workdir), cpu=not args.model) as s:
+        tag = config + suffix
+        print(f"== {tag}", flush=True)
+        log = os.path.join(args.workdir, f"server-{tag.replace('+', '_')}.log")
+        offset = os.path.getsize(log) if os.path.exists(log) else 0
+        flags = server_flags(args, config, args.workdir)
+        with Server(model, free_port(), log, flags, cpu=not args.model, cwd=args.workdir) as s:
             s.wait_ready(900)
             request(s.url, [vocab[0]] * 64)  # warm-up: page-hash extension, first forward
+            prov = provenance(imported_from(log, offset), args.tierstore_src) if config == "l2+tierstore" else None
+            if config == "l2+tierstore" and not args.model and not (prov and prov["imported_from"]):
+                raise RuntimeError(f"{log}: no line saying where the server imported sglang_tierstore from")
             if config == "l2+tierstore":
                 calib = calibrate(s, vocab, prefix, random.Random(args.seed + 1))
-                with open(os.path.join(args.output_dir, "calibration.json"), "w") as f:
+                with open(calibration_path(args.output_dir, tag), "w") as f:
                     json.dump(calib, f, indent=1)
                 print(f"  calibration ({prefix} tokens): cold {calib['cold_ttft_s'] * 1e3:.0f} ms, device "
                       f"{calib['device_ttft_s'] * 1e3:.0f} ms, host {calib['host_ttft_s'] * 1e3:.0f} ms, storage "
                       f"{calib['storage_ttft_s'] * 1e3:.0f} ms", flush=True)
             s.flush()
-            rc = subprocess.call(loadtest_args(args, model, s.url, config))
+            rc = subprocess.call(loadtest_args(args, model, s.url, tag))
         if config == "l2+tierstore":
             stop_embedded_redis(os.path.join(args.workdir, "tierstore"))
         if rc:
-            print(f"load test against {config} failed ({rc}); see {log}", file=sys.stderr)
+            print(f"load test against {tag} failed ({rc}); see {log}", file=sys.stderr)
             return rc
+        path = os.path.join(args.output_dir, f"{tag}.summary.json")  # what ran, next to what it measured
+        with open(path) as f:
+            summary = json.load(f)
+        summary.update(server_flags=flags, **({"tierstore": prov} if prov else {}))
+        with open(path, "w") as f:
+            json.dump(summary, f, indent=1)
 
-    return report(args, configs, model, bpt)
+    return report(args, tags, model, bpt)
 
 
 if __name__ == "__main__":

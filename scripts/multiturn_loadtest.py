@@ -5,6 +5,8 @@
         --num-rounds 4 --request-rate 0.5 --think-time-median 120 --output-dir results/run1
     python3 scripts/multiturn_loadtest.py --compare results/a.summary.json results/b.summary.json \\
         --output-dir results/compare
+    python3 scripts/multiturn_loadtest.py --port 30000 --model-path MODEL --backup-rate 0.05 \\
+        --backup-length 2048 --output-dir results/run2     # the same, L3 writing meanwhile
 
 Users arrive as a Poisson process (``--request-rate`` users per second). Each holds a
 multi-turn conversation that resends its whole history every turn: a system prompt shared
@@ -20,6 +22,15 @@ run keeps what it measured); ``<tag>.summary.json`` holds the configuration, the
 and the server's ``/metrics`` (SGLang's and the backend's counters) before and after;
 PNG plots go next to them. Start the server with ``--enable-cache-report`` (the per-tier
 split of cached tokens) and ``--enable-metrics``.
+
+Backup traffic (``--backup-rate``): alongside the conversations, one-turn users with long
+prompts of their own (no shared prefix, nothing a cache holds) arrive as a Poisson process for
+as long as the conversations are planned to last. With ``--hicache-write-policy write_through``
+SGLang copies every page it computes to host memory on its first insert and, once that copy
+is acknowledged, queues it for L3 on its backup thread (``write_through_selective`` waits for
+a second hit, which a one-turn user never gives), so these users keep L3 writing while the
+returning users' prefetches read from it. Their requests are recorded (``"backup": true``)
+and summarized apart: every other statistic covers the conversations only.
 
 Options named as in SGLang's ``benchmark/hicache/bench_multiturn.py`` mean the same there,
 except ``--request-rate`` and ``--distribution``: here they pace new users only; later turns
@@ -66,9 +77,10 @@ class Turn:
 @dataclass
 class User:
     uid: int
-    tenant: int
+    tenant: int  # -1: a backup user (no system prompt)
     arrival_s: float
     turns: list[Turn]
+    backup: bool = False
 
 
 class TextSource:
@@ -86,15 +98,17 @@ class TextSource:
         self.vocab = words if len(words) >= 32 else ordinary
         self.sharegpt: list[list[str]] = _load_sharegpt(dataset_path) if dataset_path else []
 
-    def exact(self, n: int) -> tuple[list[int], str]:
-        """``n`` token ids and a text that encodes back to exactly them (for the chat API)."""
-        ids = [self.rng.choice(self.vocab) for _ in range(n)]
+    def exact(self, n: int, rng: random.Random | None = None) -> tuple[list[int], str]:
+        """``n`` token ids and a text that encodes back to exactly them (for the chat API),
+        drawn from ``rng`` (default: this source's)."""
+        rng = rng or self.rng
+        ids = [rng.choice(self.vocab) for _ in range(n)]
         for _ in range(8):
             text = self.tok.decode(ids)
             again = self.tok.encode(text, add_special_tokens=False)
             if again == ids:
                 return ids, text
-            ids = (again + [self.rng.choice(self.vocab) for _ in range(n)])[:n]
+            ids = (again + [rng.choice(self.vocab) for _ in range(n)])[:n]
         return ids, self.tok.decode(ids)
 
     def user_turns(self, n_turns: int, first_len: int, later_len: int) -> list[tuple[list[int], str]]:
@@ -143,7 +157,9 @@ def think_time(rng: random.Random, args: argparse.Namespace) -> float:
 
 def build_workload(args: argparse.Namespace, tokenizer: Any) -> tuple[list[User], list[tuple[list[int], str]]]:
     """Users, their turns and think times, and the tenants' system prompts: all from
-    ``--seed``, so two runs against different servers send the same requests."""
+    ``--seed``, so two runs against different servers send the same requests. Backup users
+    come last (ids from ``--num-clients`` on), from a random stream of their own: adding
+    them leaves the conversations as they were."""
     rng = random.Random(args.seed)
     src = TextSource(tokenizer, rng, args.dataset_path)
     systems = [src.exact(args.system_prompt_length) for _ in range(args.num_tenants)]
@@ -156,7 +172,25 @@ def build_workload(args: argparse.Namespace, tokenizer: Any) -> tuple[list[User]
         texts = src.user_turns(args.num_rounds, args.request_length, later)
         turns = [Turn(ids, text, 0.0 if i == 0 else think_time(rng, args)) for i, (ids, text) in enumerate(texts)]
         users.append(User(uid, uid % args.num_tenants, t, turns))
-    return users, systems
+    return users + backup_users(args, src, users), systems
+
+
+def backup_users(args: argparse.Namespace, src: TextSource, users: Sequence[User]) -> list[User]:
+    """One-turn users of ``--backup-length`` tokens, ``--backup-rate`` per second (Poisson),
+    from the start until the last conversation turn is planned to be sent (arrival plus
+    think times; the real run ends later by the service times)."""
+    if not args.backup_rate:
+        return []
+    rng = random.Random(f"{args.seed}/backup")
+    horizon = max(u.arrival_s + sum(t.think_s for t in u.turns) for u in users)
+    out: list[User] = []
+    t = 0.0
+    while True:
+        t += rng.expovariate(args.backup_rate) * args.time_scale
+        if t > horizon:
+            return out
+        ids, text = src.exact(args.backup_length, rng)
+        out.append(User(len(users) + len(out), -1, t, [Turn(ids, text, 0.0)], backup=True))
 
 
 # -- one request -----------------------------------------------------------------------
@@ -180,6 +214,7 @@ class Result:
     cached: dict[str, int]  # per tier
     output_sha: str  # of the generated token ids (or text): equal outputs across runs
     error: str | None = None
+    backup: bool = False  # a backup user's request: kept out of every other statistic
     output_ids: list[int] = field(default_factory=list, repr=False)
     output_text: str = field(default="", repr=False)
 
@@ -282,9 +317,9 @@ class Recorder:
 async def run_user(u: User, systems: list[tuple[list[int], str]], args: argparse.Namespace, session: Any,
                    sem: asyncio.Semaphore, rec: Recorder, t_start: float) -> None:
     await asyncio.sleep(max(0.0, t_start + u.arrival_s - time.perf_counter()))
-    sys_ids, sys_text = systems[u.tenant]
+    sys_ids, sys_text = systems[u.tenant] if not u.backup else ([], "")
     history = list(sys_ids)
-    messages = [{"role": "system", "content": sys_text}]
+    messages = [{"role": "system", "content": sys_text}] if not u.backup else []
     prev_end: float | None = None
     prefix = len(sys_ids)  # what this turn resends before its new text
     for n, turn in enumerate(u.turns):
@@ -323,7 +358,7 @@ def _result(u: User, n: int, start: float, gap: float | None, wait: float, prefi
         e2e_s=out["e2e"], itl_s=out["itl"], prompt_tokens=prompt, prefix_tokens=prefix,
         output_tokens=len(ids) or int(meta.get("completion_tokens") or usage.get("completion_tokens") or 0),
         cached_tokens=cached, cached={t: int(details.get(t) or 0) for t in TIERS}, output_sha=digest,
-        error=error, output_ids=ids, output_text=out["text"],
+        error=error, backup=u.backup, output_ids=ids, output_text=out["text"],
     )
 
 
@@ -359,8 +394,8 @@ async def scrape_metrics(session: Any, base_url: str) -> dict[str, float]:
 def parse_metrics(text: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for line in text.splitlines():
-        if not line or line[0] == "#" or "_bucket{" in line:
-            continue
+        if not line or line[0] == "#" or ("_bucket{" in line and not line.startswith("tierstore_")):
+            continue  # SGLang's histogram buckets; tierstore's batch latencies keep theirs
         name, _, value = line.rpartition(" ")
         if name.startswith(("sglang:", "tierstore_")):
             try:
@@ -408,9 +443,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def metric_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """Counters (``*_total``, histogram ``_sum``/``_count``) over the run."""
+    """Counters (``*_total``, histogram ``_sum``/``_count``/``_bucket``) over the run."""
     return {k: v - before.get(k, 0.0) for k, v in after.items()
-            if k.split("{")[0].endswith(("_total", "_sum", "_count")) and v != before.get(k, 0.0)}
+            if k.split("{")[0].endswith(("_total", "_sum", "_count", "_bucket")) and v != before.get(k, 0.0)}
 
 
 # -- summary ------------------------------------------------------------------------------
@@ -469,7 +504,10 @@ def _served(r: dict[str, Any]) -> dict[str, int]:
 
 def summarize(rows: list[dict[str, Any]], edges: Sequence[float]) -> dict[str, Any]:
     """TTFT percentiles overall, for returning turns, by turn and by gap bucket; cached
-    share per tier of the prefix each turn resent (the history before its new text)."""
+    share per tier of the prefix each turn resent (the history before its new text).
+    Backup users' requests only count under ``backup`` (present when there are some)."""
+    backup = [r for r in rows if r.get("backup")]
+    rows = [r for r in rows if not r.get("backup")]
     ok = [r for r in rows if not r["error"]]
     returning = [r for r in ok if r["turn"] > 1]
     itl = [x for r in ok for x in r["itl_s"]]
@@ -485,6 +523,8 @@ def summarize(rows: list[dict[str, Any]], edges: Sequence[float]) -> dict[str, A
         "returning": _stats(returning),
         "by_turn": {k: _stats(v) for k, v in sorted(by_turn.items(), key=lambda kv: int(kv[0]))},
         "by_gap": {k: _stats(v) for k, v in by_gap.items() if v},
+        **({"backup": {**_stats([r for r in backup if not r["error"]]), "errors": sum(1 for r in backup if r["error"])}}
+           if backup else {}),
     }
 
 
@@ -499,22 +539,26 @@ def _share(v: float | None) -> str:
 def table(summaries: Sequence[dict[str, Any]]) -> str:
     """One block per grouping (overall, returning, by turn, by gap), one row per run."""
     lines = []
-    head = f"{'':<24}{'run':<18}{'n':>5}{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}" + "".join(f"{t:>9}" for t in TIERS) + f"{'recomp':>9}"
-    groups: list[tuple[str, list[str]]] = [("overall", ["overall"]), ("returning turns", ["returning"])]
+    width = max(18, 1 + max(len(s["tag"]) for s in summaries))
+    head = f"{'':<24}{'run':<{width}}{'n':>5}{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}" + "".join(f"{t:>9}" for t in TIERS) + f"{'recomp':>9}"
+    groups: list[tuple[str, list[str]]] = [("overall", ["overall"]), ("returning turns", ["returning"]),
+                                           ("backup users", ["backup"])]
     turns = sorted({k for s in summaries for k in s["summary"]["by_turn"]}, key=int)
     gaps = [g for g in gap_labels(summaries[0]["config"]["gap_buckets"]) if any(g in s["summary"]["by_gap"] for s in summaries)]
     groups += [(f"turn {t}", ["by_turn", t]) for t in turns] + [(f"gap {g}", ["by_gap", g]) for g in gaps]
     lines.append(head)
     for label, path in groups:
-        for i, s in enumerate(summaries):
+        first = True
+        for s in summaries:
             node: Any = s["summary"]
             for p in path:
                 node = node.get(p) if node else None
             if not node:
                 continue
-            lines.append(f"{label if i == 0 else '':<24}{s['tag'][:17]:<18}{node['requests']:>5}{_ms(node['ttft_p50_s']):>9}"
+            lines.append(f"{label if first else '':<24}{s['tag']:<{width}}{node['requests']:>5}{_ms(node['ttft_p50_s']):>9}"
                          f"{_ms(node['ttft_p90_s']):>9}{_ms(node['ttft_p99_s']):>9}"
                          + "".join(f"{_share(node[f'{t}_share']):>9}" for t in TIERS) + f"{_share(node['recomputed_share']):>9}")
+            first = False
     return "\n".join(lines)
 
 
@@ -531,7 +575,7 @@ def load_rows(summary_path: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
 
 def plot(runs: Sequence[tuple[dict[str, Any], list[dict[str, Any]]]], out_dir: str, prefix: str) -> list[str]:
     """TTFT CDF, TTFT by turn, cached share per tier against the return gap, and hits per
-    tier over time; one curve (or panel) per run."""
+    tier over time; one curve (or panel) per run; the conversations only."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -539,6 +583,7 @@ def plot(runs: Sequence[tuple[dict[str, Any], list[dict[str, Any]]]], out_dir: s
 
     colors = {"device": "tab:green", "host": "tab:blue", "storage": "tab:orange", "recomputed": "tab:gray"}
     paths = []
+    runs = [(s, [r for r in rows if not r.get("backup")]) for s, rows in runs]
 
     def save(fig: Any, name: str) -> None:
         path = os.path.join(out_dir, f"{prefix}{name}.png")
@@ -684,9 +729,13 @@ def parser() -> argparse.ArgumentParser:
                     help="seconds between a user's turns: median (lognormal), mean (exponential) or value (fixed)")
     w2.add_argument("--think-time-sigma", type=_positive(float), default=1.0, help="lognormal sigma")
     w2.add_argument("--time-scale", type=_positive(float), default=1.0,
-                    help="multiplies think times and user arrival gaps (e.g. 0.1 for a short run)")
+                    help="multiplies think times and users' arrival gaps, backup users' too (e.g. 0.1 for a short run)")
     w2.add_argument("--flush-interval", type=_non_negative_float, default=0.0,
                     help="POST /flush_cache this often (seconds; 0: never): L1 and L2 emptied, as after a long gap")
+    w3 = p.add_argument_group("backup traffic (one-turn users whose KV is written through to L3)")
+    w3.add_argument("--backup-rate", type=_non_negative_float, default=0.0,
+                    help="backup users per second, for as long as the conversations are planned to last (0: none)")
+    w3.add_argument("--backup-length", type=_positive(int), default=2048, help="tokens of each backup user's prompt")
     o = p.add_argument_group("output")
     o.add_argument("--output-dir", default="loadtest_results")
     o.add_argument("--tag", default="run", help="names this run's files and its curves in --compare")

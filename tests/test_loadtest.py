@@ -29,7 +29,7 @@ SCRIPT = ROOT / "scripts" / "multiturn_loadtest.py"
 PLOTS = ("ttft_cdf", "ttft_by_turn", "residency", "hits_over_time")
 RESULT_FIELDS = {
     "user", "tenant", "turn", "start_s", "gap_s", "wait_s", "ttft_s", "e2e_s", "itl_s", "prompt_tokens",
-    "prefix_tokens", "output_tokens", "cached_tokens", "cached", "output_sha", "error",
+    "prefix_tokens", "output_tokens", "cached_tokens", "cached", "output_sha", "error", "backup",
 }
 
 
@@ -149,6 +149,24 @@ def test_workload_is_reproducible_from_the_seed(model: str) -> None:
     assert arrivals == sorted(arrivals) and arrivals[0] == 0.0
 
 
+def test_backup_users_leave_the_conversations_as_they_were(model: str) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    args = lt.parser().parse_args(["--model-path", model, *WORKLOAD])
+    plain, systems = lt.build_workload(args, tok)
+    args.backup_rate, args.backup_length = 2.0, 40
+    users, with_backup_systems = lt.build_workload(args, tok)
+    assert users[: len(plain)] == plain and with_backup_systems == systems
+    backup = users[len(plain):]
+    horizon = max(u.arrival_s + sum(t.think_s for t in u.turns) for u in plain)  # 2 rounds of 2.5 s after the last arrival
+    assert 3 <= len(backup) and all(u.backup and u.tenant == -1 and 0 < u.arrival_s <= horizon for u in backup)
+    assert [u.uid for u in backup] == list(range(len(plain), len(users)))
+    assert all(len(u.turns) == 1 and len(u.turns[0].user_ids) == 40 for u in backup)
+    assert len({tuple(u.turns[0].user_ids) for u in backup}) == len(backup)  # no shared prefix: all differ
+    assert lt.build_workload(args, tok)[0] == users  # reproducible too
+
+
 def test_sharegpt_turns(model: str, tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
@@ -186,18 +204,31 @@ def test_summary_buckets_and_metrics() -> None:
     assert s["returning"]["ttft_p99_s"] == 2.0 and s["overall"]["ttft_p90_s"] == 2.0
     assert s["by_turn"]["3"]["storage_tokens"] == 80 and s["by_turn"]["2"]["storage_tokens"] == 10
 
+    # backup users' requests are reported apart and nowhere else
+    backup = [{**row(1, None, 9.0, 0, 0, 0, 0), "backup": True, "prompt_tokens": 2048},
+              {**row(1, None, 8.0, 0, 0, 0, 0), "backup": True, "error": "boom"}]
+    with_backup = lt.summarize(rows + backup, [1.0, 10.0])
+    assert {k: v for k, v in with_backup.items() if k != "backup"} == s and "backup" not in s
+    assert with_backup["backup"]["requests"] == 1 and with_backup["backup"]["errors"] == 1
+    assert with_backup["backup"]["ttft_p50_s"] == 9.0 and with_backup["backup"]["prompt_tokens"] == 2048
+    assert "backup users" in lt.table([{"tag": "x", "config": {"gap_buckets": [1.0, 10.0]}, "summary": with_backup}])
+
     text = """# HELP sglang:cached_tokens_total x
 sglang:cached_tokens_total{cache_source="storage"} 12.0
 sglang:ttft_bucket{le="0.1"} 3.0
 tierstore_pages_total{op="read",outcome="hit"} 5.0
+tierstore_batch_seconds_bucket{le="0.05",op="read"} 2.0
 process_cpu_seconds_total 9.0
 sglang:gen_throughput 1.5
 """
     m = lt.parse_metrics(text)
     assert m == {'sglang:cached_tokens_total{cache_source="storage"}': 12.0,
-                 'tierstore_pages_total{op="read",outcome="hit"}': 5.0, "sglang:gen_throughput": 1.5}
-    after = {**m, 'sglang:cached_tokens_total{cache_source="storage"}': 20.0, "sglang:gen_throughput": 3.0}
-    assert lt.metric_deltas(m, after) == {'sglang:cached_tokens_total{cache_source="storage"}': 8.0}
+                 'tierstore_pages_total{op="read",outcome="hit"}': 5.0, 'tierstore_batch_seconds_bucket{le="0.05",op="read"}': 2.0,
+                 "sglang:gen_throughput": 1.5}  # tierstore's buckets kept (its batch latencies), SGLang's not
+    after = {**m, 'sglang:cached_tokens_total{cache_source="storage"}': 20.0, "sglang:gen_throughput": 3.0,
+             'tierstore_batch_seconds_bucket{le="0.05",op="read"}': 3.0}
+    assert lt.metric_deltas(m, after) == {'sglang:cached_tokens_total{cache_source="storage"}': 8.0,
+                                          'tierstore_batch_seconds_bucket{le="0.05",op="read"}': 1.0}
 
 
 @pytest.mark.parametrize("bad", ["5,1", "0,3", "a,b", ""])
@@ -245,3 +276,53 @@ def test_stream_chunks_fold_into_tokens() -> None:
     assert chat["text"] == "hi" and chat["details"] == {"device": 16, "storage": 0} and chat["usage"]["prompt_tokens"] == 30
     with pytest.raises(RuntimeError, match="boom"):
         lt._absorb({"error": "boom"}, chat, "native")
+
+
+def test_storage_io_and_paired_differences() -> None:
+    tiers = _load("loadtest_tiers", ROOT / "scripts" / "loadtest_tiers.py")
+    rank = 'dp_rank="0",tp_rank="0"'
+    delta = {f'tierstore_pages_total{{op="write",outcome="stored",{rank}}}': 300.0,
+             f'tierstore_pages_total{{op="write",outcome="exists",{rank}}}': 20.0,
+             f'tierstore_pages_total{{op="read",outcome="hit",{rank}}}': 100.0,
+             f'tierstore_bytes_total{{op="write",{rank}}}': 600e6, f'tierstore_bytes_total{{op="read",{rank}}}': 200e6,
+             f'tierstore_batch_seconds_sum{{op="read",{rank}}}': 1.0, f'tierstore_batch_seconds_count{{op="read",{rank}}}': 10.0}
+    # cumulative buckets: 5 read batches within 20 ms, 9 within 100 ms, the last within 500 ms
+    delta.update({f'tierstore_batch_seconds_bucket{{le="{le}",op="read",{rank}}}': n
+                  for le, n in (("0.02", 5.0), ("0.05", 5.0), ("0.1", 9.0), ("0.5", 10.0), ("+Inf", 10.0))})
+    io = tiers.storage_io({"metrics_delta": delta, "duration_s": 60.0})
+    assert (io["pages_written"], io["pages_not_written"], io["pages_read"]) == (300, 20, 100)
+    assert io["mb_per_s_written"] == pytest.approx(10.0) and io["mb_read"] == pytest.approx(200.0)
+    assert io["read_batch_mean_s"] == pytest.approx(0.1) and io["write_batches"] == 0
+    assert (io["read_batch_p50_below_s"], io["read_batch_p90_below_s"], io["read_batch_p99_below_s"]) == (0.02, 0.1, 0.5)
+    assert "l2+tierstore@x" in tiers.storage_table({"l2+tierstore@x": {"metrics_delta": delta, "duration_s": 60.0}})
+
+    def rows(ttfts: list[float]) -> list[dict[str, Any]]:
+        return ([{"user": u, "turn": 2, "ttft_s": t, "backup": False} for u, t in enumerate(ttfts)]
+                + [{"user": 99, "turn": 1, "ttft_s": 5.0, "backup": True}])  # neither first turns nor backups pair
+
+    pair = tiers.paired(rows([1.0, 2.0, 3.0, 4.0]), rows([0.9, 1.9, 2.9, 4.2])[1:])  # user 0 missing from the second
+    assert pair["n"] == 3 and pair["median_s"] == pytest.approx(-0.1) and pair["faster"] == 2
+    lo, hi = pair["ci95_s"]
+    assert lo <= pair["median_s"] <= hi
+    first = tiers.paired(rows([1.0]) + [{"user": 0, "turn": 1, "ttft_s": 2.0}], rows([1.0]) + [{"user": 0, "turn": 1, "ttft_s": 1.5}],
+                         returning=False)
+    assert first["n"] == 1 and first["median_s"] == pytest.approx(-0.5)  # backup users are first turns too, but left out
+
+
+def test_provenance_names_the_checkout_the_server_imported(tmp_path: Path) -> None:
+    tiers = _load("loadtest_tiers", ROOT / "scripts" / "loadtest_tiers.py")
+    init = str(ROOT / "sglang_tierstore" / "__init__.py")
+    log = tmp_path / "server.log"
+    log.write_text(f"{tiers.IMPORT_NOTE}/elsewhere/sglang_tierstore/__init__.py\n")  # an earlier run's
+    offset = log.stat().st_size
+    with log.open("a") as f:
+        f.write(f"[x] starting\n{tiers.IMPORT_NOTE}{init}\n{tiers.IMPORT_NOTE}{init}\n")
+    files = tiers.imported_from(str(log), offset)
+    assert files == [init]
+    prov = tiers.provenance(files, str(ROOT))
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout
+    assert prov["head"] == head.strip() and prov["checkout"] == str(ROOT) and len(prov["package_sha256"]) == 64
+    with pytest.raises(RuntimeError, match="not from --tierstore-src"):
+        tiers.provenance(files, str(tmp_path))
+    with pytest.raises(RuntimeError, match="imported sglang_tierstore from"):
+        tiers.provenance([init, "/elsewhere/sglang_tierstore/__init__.py"], None)

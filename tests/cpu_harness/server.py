@@ -68,10 +68,13 @@ def tp_env(tp: int) -> dict[str, str]:
 
 class Server:
     """One server process. ``cpu`` (default) runs it under the CPU shim; ``args`` are its flags;
-    with ``admin_key`` it is started with ``--admin-api-key``, which its admin endpoints need."""
+    with ``admin_key`` it is started with ``--admin-api-key``, which its admin endpoints need.
+    ``cwd``: where it runs (``python -m`` puts that directory first on its sys.path, ahead of
+    PYTHONPATH: a checkout there is the ``sglang_tierstore`` it imports)."""
 
     def __init__(self, model: str, port: int, log_path: str, args: Sequence[str],
-                 env: Optional[dict[str, str]] = None, cpu: bool = True, admin_key: Optional[str] = None) -> None:
+                 env: Optional[dict[str, str]] = None, cpu: bool = True, admin_key: Optional[str] = None,
+                 cwd: Optional[str] = None) -> None:
         self.url = f"http://127.0.0.1:{port}"
         self.admin_headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", "127.0.0.1",
@@ -83,7 +86,8 @@ class Server:
         full_env.update(env or {})
         self.log_path = log_path
         self._log = open(log_path, "ab")
-        self.proc = subprocess.Popen(cmd, env=full_env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, env=full_env, cwd=cwd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
 
     def wait_ready(self, timeout: float = 400) -> "Server":
         deadline = time.monotonic() + timeout

@@ -22,10 +22,13 @@ CHAT_TEMPLATE = (
 )
 
 
-def build(path: str, seed: int = 0, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2) -> str:
+def build(path: str, seed: int = 0, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+          head_dim: int | None = None) -> str:
     """Write a random Llama and its tokenizer to ``path`` (once); return ``path``.
 
     The defaults give the tiny CPU model; scripts/e2e_gpu.py asks for a larger one.
+    ``head_dim`` (default ``hidden // heads``) sets the KV bytes per token apart from the
+    hidden size: scripts/loadtest_tiers.py uses it for much KV from little compute.
     """
     if os.path.exists(os.path.join(path, "config.json")):
         return path
@@ -49,7 +52,8 @@ def build(path: str, seed: int = 0, hidden: int = 64, layers: int = 2, heads: in
     torch.manual_seed(seed)
     cfg = LlamaConfig(
         vocab_size=len(fast), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=16384,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim or hidden // heads,
+        max_position_embeddings=16384,
         bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id,
         torch_dtype="bfloat16", tie_word_embeddings=False,
     )

@@ -1,7 +1,8 @@
 """Test-only: lets `python -m sglang.launch_server --device cpu` run HiCache without a GPU.
 
 Put this directory on PYTHONPATH; Python imports `sitecustomize` at start-up in
-the server and in its scheduler subprocess. Four patches, each for one fact:
+the server and in its scheduler subprocess. Four patches, each for one fact, and a
+note of which tierstore the server runs:
 
 1. `sgl_kernel` is CUDA-only, but with SGLANG_USE_CPU_ENGINE=1 SGLang imports its
    `*_cpu` ops at module load. A stand-in module gives every `*_cpu` name; only
@@ -16,6 +17,9 @@ the server and in its scheduler subprocess. Four patches, each for one fact:
 4. The CPU fallback attention (`torch_native`) attends every token of the sequence
    on an extend, cached prefix included; it gets an extend over the new tokens only
    (what GPU backends do), so a prefix hit costs what it costs on real hardware.
+5. A run comparing two checkouts of tierstore (``loadtest_tiers.py --tierstore-src``) must
+   know which one the server imported: each process that imports `sglang_tierstore`
+   prints the file it came from to stderr (the server log).
 Nothing touches the storage path: tierstore runs as in production.
 """
 
@@ -31,10 +35,15 @@ from cpu_ops import StubModule, assign_req_to_token_pool_cpu, patch_assembler, p
 
 # -- the import hook -----------------------------------------------------------------
 
+def _report_origin(module: types.ModuleType) -> None:
+    print(f"cpu harness: sglang_tierstore imported from {module.__file__}", file=sys.stderr, flush=True)
+
+
 _PATCHES: dict[str, Callable[[types.ModuleType], None]] = {
     "sglang.srt.mem_cache.pool_host.mha": patch_mha,
     "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler": patch_assembler,
     "sglang.srt.layers.attention.torch_native_backend": patch_torch_native,
+    "sglang_tierstore": _report_origin,
 }
 
 
