@@ -14,9 +14,9 @@ that becomes free always takes its next claim from the oldest read batch if ther
 one. Writes are cut finely: the store hands them over as units of at most
 ``MAX_RUN_BYTES``, cutting pages larger than that into pieces. A worker claims an even
 share of a write batch, a contiguous stretch (threads taking turns at single 1 MiB
-units instead wrote 2 MiB pages at 0.89x the rate on our test VM, in one A/B run), but
-between units it hands the rest of its claim back, first in line, as soon
-as a read is queued. So a read arriving while every thread is writing waits for at
+units instead wrote 2 MiB pages at 0.89x the rate on our test VM, in one A/B run, not
+committed), but between units it hands the rest of its claim back, first in line, as
+soon as a read is queued. So a read arriving while every thread is writing waits for at
 most one small write per thread, never for the rest of a backup. Alternatives weighed:
 - threads kept for reads: reads would wait for nothing, but a batch of reads would get
   fewer threads than the disk needs in flight, and writes would lose those threads
