@@ -22,7 +22,8 @@ Faults, each a Poisson process with the mean interval given (0 turns it off):
   --flip-every     one bit flipped at a random offset of a random stored page, in its page
                    file (the store must then serve a miss, never the rotten bytes)
   --capacity-every capacity set to 50-80% of --capacity-mb for a while (``set_capacity``,
-                   evicting down to it), then back
+                   evicting down to it), then back; the last 5 s of traffic run at full
+                   capacity, so that the final scrub reads a refilled store
 
 At the end the workers stop, every key is read back and verified (a scrub: rotten pages
 nobody read are dropped by the read path), the dead workers' leases expire (``--lease-s``)
@@ -73,6 +74,7 @@ from sglang_tierstore.store import Namespace  # noqa: E402
 
 MiB = 1 << 20
 ALIGN = 4096
+REFILL_S = 5.0  # the traffic's last seconds run at full capacity (see Run.lower_capacity)
 OPS = ("get", "set", "exists", "delete", "clear")
 IDLE, IN_WRITE, IN_READ, IN_OTHER = 0, 1, 2, 3  # what a thread is doing, in its busy flag
 SAMPLES = 20  # wrong pages and errors kept verbatim per worker
@@ -488,12 +490,17 @@ class Run:
             self.faults["bit_flips"] += 1
 
     def lower_capacity(self) -> None:
-        if self.capacity_back_at:
+        """A cut ends ``REFILL_S`` before the traffic does, and none starts later: a store
+        kept at half its capacity to the end can hold nothing at all (writers' stocks and
+        regions draining for ``--lease-s`` take all of it), which says nothing about the
+        store, and the final scrub is meant to read a store refilled at its capacity."""
+        last = self.end_at - REFILL_S
+        if self.capacity_back_at or time.time() >= last:
             return
         cap = int(self.capacity * self.rnd.uniform(0.5, 0.8))
         if self.set_capacity(cap):
             self.faults["capacity_lowered"] += 1
-            self.capacity_back_at = time.time() + self.rnd.uniform(3, 15)
+            self.capacity_back_at = min(last, time.time() + self.rnd.uniform(3, 15))
 
     def set_capacity(self, cap: int) -> bool:
         try:

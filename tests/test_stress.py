@@ -215,6 +215,6 @@ def test_stress_script_short_run_with_every_fault(tmp_path: Path) -> None:
     assert f["worker_kills"] >= 1 and f["redis_kills"] >= 1 and f["bit_flips"] >= 1 and f["capacity_lowered"] >= 1
     assert s["pages"]["hits"] > 0 and s["pages"]["pages_stored"] > 0 and s["evicted_pages"] > 0
     # pages rotten by a flip that nobody read before the scrub are misses there
-    assert s["scrub"]["present"] - f["bit_flips"] <= s["scrub"]["verified"] <= s["scrub"]["present"]
-    assert s["scrub"]["verified"] > 0
+    assert s["scrub"]["present"] - f["bit_flips"] <= s["scrub"]["verified"] <= s["scrub"]["present"], p.stdout
+    assert s["scrub"]["verified"] > 0, p.stdout
     assert "result" in p.stdout and "OK" in p.stdout
