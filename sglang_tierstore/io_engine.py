@@ -10,14 +10,18 @@ Scheduling. SGLang prefetches (reads a waiting request needs before its first to
 and backs up (write-through of pages already in host memory) on different threads at
 the same time. A read is on a request's critical path; a write is background work that
 can wait. So the engine keeps two queues of batches, reads and writes, and a worker
-that becomes free always takes its next claim from the oldest read batch if there is
-one. Writes are cut finely: the store hands them over as units of at most
-``MAX_RUN_BYTES``, cutting pages larger than that into pieces. A worker claims an even
-share of a write batch, a contiguous stretch (threads taking turns at single 1 MiB
-units instead wrote 2 MiB pages at 0.89x the rate on our test VM, in one A/B run, not
-committed), but between units it hands the rest of its claim back, first in line, as
-soon as a read is queued. So a read arriving while every thread is writing waits for at
-most one small write per thread, never for the rest of a backup. Alternatives weighed:
+that becomes free takes its next claim from the oldest read batch if there is one (but
+see below: nothing starves). Writes are cut finely: the store hands them over as units
+of at most ``MAX_RUN_BYTES``, cutting pages larger than that into pieces. A worker
+claims an even share of a write batch, a contiguous stretch (threads taking turns at
+single 1 MiB units instead wrote 2 MiB pages at 0.89x the rate on our test VM, in one
+A/B run, not committed), but between units it hands the rest of its claim back as soon
+as a read is queued: first in line, and cut into even shares again, so that once the
+reads are done it spreads over every free thread. So a read arriving while every thread
+is writing waits for at most one small write per thread, never for the rest of a
+backup, as long as at most ``reads_per_write`` read claims wait in a row (8 MiB of
+pages up to 1 MiB, with the defaults); beyond that one write unit goes through after
+every ``reads_per_write`` read claims. Alternatives weighed:
 - threads kept for reads: reads would wait for nothing, but a batch of reads would get
   fewer threads than the disk needs in flight, and writes would lose those threads
   even when no read is waiting;
@@ -25,14 +29,16 @@ most one small write per thread, never for the rest of a backup. Alternatives we
   contiguous stretch per thread.
 Nothing starves: while writes wait, every ``reads_per_write + 1``-th claim goes to them
 and runs at least one unit (at least 1/(reads_per_write + 1) of the claims under a
-stream of reads that never lets up). With no reads waiting, every worker writes, as
-before.
+stream of reads that never lets up; claims, not bytes: a read claim of 8 MiB pages is
+one page, a write claim given way at once is one 1 MiB unit). With no reads waiting,
+every worker writes, as before.
 
 Reads are claimed a few items at a time (about ``CLAIM_BYTES``, and no more than an
 even share of the batch per thread): the per-item cost is a function call, with a lock
 taken once per claim, not a future per item, and a read batch spreads over whichever
-threads are free. A batch too small to share runs inline, in the caller's thread,
-instead of paying thread hand-offs.
+threads are free. A batch too small to share (or any batch, with one thread) runs
+inline, in the caller's thread, instead of paying thread hand-offs: it waits in no
+queue, read or write.
 
 Giving up on a disk that stops answering: a preadv in a thread cannot be cancelled,
 and a late one would land wherever it was told to, long after the caller has moved
@@ -269,11 +275,19 @@ class IOEngine:
                     self._cond.wait()
             batch, first, stop = job
             left = batch._run(first, stop, self._reads_waiting if batch.write else None)
-            if left < stop:  # a write giving way to reads: the rest of its claim goes back, first in line
-                with self._cond:
-                    batch._returned.append((left, stop))
-                    if batch not in self._writes:
-                        self._writes.appendleft(batch)
+            if left < stop:
+                self._hand_back(batch, left, stop)
+
+    def _hand_back(self, batch: Batch[object], first: int, stop: int) -> None:
+        """A write giving way to reads: the rest of its claim goes back, first in line,
+        cut in even shares again, so that once the reads are done it spreads over every
+        free thread instead of running on whichever one comes back first."""
+        step = -(-(stop - first) // self.threads)
+        with self._cond:
+            batch._returned += [(k, min(stop, k + step)) for k in reversed(range(first, stop, step))]  # popped lowest first
+            if batch not in self._writes:
+                self._writes.appendleft(batch)
+            self._cond.notify(len(batch._returned))  # sleeping threads take reads first, then these
 
     def close(self, timeout: Optional[float] = None) -> bool:
         """Stop the threads once the items already submitted are done (a caller may be

@@ -532,7 +532,8 @@ class TierStore:
         touched: set[int] = set()
         for (run, _, _), o in zip(units, batch.results()):
             if isinstance(o, BaseException):
-                self._io_failure(a, "io_write", run[0][1], o)
+                if run[0][0] not in failed:  # once per run, however many of its pieces failed
+                    self._io_failure(a, "io_write", run[0][1], o)
                 failed.update(p[0] for p in run)
             else:
                 touched.add(run[0][1])

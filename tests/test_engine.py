@@ -122,6 +122,31 @@ def test_pages_larger_than_one_write_go_to_disk_in_pieces(cfg: dict[str, Any], p
         st.close()
 
 
+def test_a_page_whose_pieces_all_fail_is_one_failed_write(cfg: dict[str, Any]) -> None:
+    """A page written in pieces is one write to the operator: when every piece fails,
+    the error is counted (and logged) once per page, not once per piece, the page is
+    not stored, and the store is whole."""
+    st = engine(cfg, capacity_gb=96 * MiB / (1 << 30))
+    try:
+        files = st.attached().files
+        calls = []
+
+        def failing(*args: Any) -> None:
+            calls.append(args)
+            raise PageIOError(errno.EIO, "I/O error")
+
+        files.write = failing  # type: ignore[method-assign]
+        ns = st.namespace({}, 5 * MiB // 2)
+        ks = keys(4)
+        assert st.write(ns, ks, split_pages(pages(4, 5 * MiB // 2, 3), True), True) == [False] * 4
+        assert len(calls) == 4 * 3  # three pieces a page
+        assert st.stats()["error_io_write"] == 4
+        assert st.exists([(ns, ks)]) == [[False] * 4]
+        assert st.check() == []
+    finally:
+        st.close()
+
+
 def test_a_read_during_a_large_write_waits_for_one_write_unit_per_thread(cfg: dict[str, Any]) -> None:
     """Both I/O threads are inside units of a 16 MiB write batch when a read comes in:
     it completes once each thread has finished that one unit, while every later unit

@@ -67,6 +67,52 @@ def test_reads_queued_behind_a_write_unit_are_served_before_the_next_one() -> No
         assert io.close(HANG_S)
 
 
+def test_the_rest_of_a_write_that_gave_way_spreads_over_the_threads_again() -> None:
+    """Two threads hold the two halves of an 8-unit write, [0, 4) and [4, 8). A read comes
+    in: thread X gives way after unit 0 and reads; Y finishes its half and goes on with
+    what X handed back. Units 1-3 do not all go to Y: once X is done reading it takes a
+    share of them (X runs unit 3 while Y is still held in unit 1)."""
+    io = IOEngine(2)
+    go0, go4, go_read, reading, inside0, inside4, in1, three = (threading.Event() for _ in range(8))
+    who: dict[int, str] = {}
+    held_in_1: list[bool] = []
+
+    def write(i: int) -> None:
+        who[i] = threading.current_thread().name
+        if i == 0:
+            inside0.set()
+            assert go0.wait(HANG_S)
+        elif i == 4:
+            inside4.set()
+            assert go4.wait(HANG_S)
+        elif i == 1:
+            in1.set()
+            held_in_1.append(three.wait(HANG_S))
+        elif i == 3:
+            three.set()
+
+    def read(i: int) -> None:
+        reading.set()
+        assert go_read.wait(HANG_S)
+
+    try:
+        writes = io.submit(write, range(8), CLAIM_BYTES, write=True)
+        assert inside0.wait(HANG_S) and inside4.wait(HANG_S)
+        reads = io.submit(read, range(1), CLAIM_BYTES, inline=False)
+        go0.set()  # X gives way after unit 0 and takes the read
+        assert reading.wait(HANG_S)
+        go4.set()  # Y finishes 4-7, then takes the first share of 1-3
+        assert in1.wait(HANG_S)
+        go_read.set()  # X is free again: it takes the other share
+        assert reads.results() == [None] and all(o is None for o in writes.results())
+        assert held_in_1 == [True]
+        assert who[3] == who[0] != who[1] == who[4]
+    finally:
+        for e in (go0, go4, go_read, three):
+            e.set()
+        assert io.close(HANG_S)
+
+
 def test_writes_finish_under_reads_that_never_let_up() -> None:
     """Both threads are held while a write batch and far more read batches than it has
     units queue up: the writes still get every ``reads_per_write + 1``-th claim, so they
