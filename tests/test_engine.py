@@ -129,7 +129,7 @@ def test_a_page_whose_pieces_all_fail_is_one_failed_write(cfg: dict[str, Any]) -
     st = engine(cfg, capacity_gb=96 * MiB / (1 << 30))
     try:
         files = st.attached().files
-        calls = []
+        calls: list[tuple[Any, ...]] = []
 
         def failing(*args: Any) -> None:
             calls.append(args)
