@@ -9,6 +9,7 @@ the index tests that say something about the server use them; the rest of the su
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -55,6 +56,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def free_cluster_port() -> int:
+    """A loopback port for a cluster node: at most 55535, with its bus port (10000 above) free too.
+    The kernel's ephemeral range runs past 55535, where redis-server refuses cluster mode."""
+    for _ in range(1000):
+        port = random.randint(20000, 55535)
+        with socket.socket() as a, socket.socket() as b:
+            try:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+    raise AssertionError("no free port pair for a cluster node in 20000-55535")
 
 
 class RedisProc:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-from conftest import RedisProc, free_port, keys
+from conftest import RedisProc, free_cluster_port, keys
 from engine_kit import MiB, engine, housekeep, pages, read, views
 
 from sglang_tierstore import TierStore
@@ -159,8 +159,8 @@ def cluster_node(tmp_path: Path, server: str) -> Iterator[int]:
     touching keys of two slots fail there with CROSSSLOT, as on a real cluster."""
     import redis
 
-    for attempt in range(3):  # a port can be taken between free_port() and the bind
-        port = free_port()
+    for attempt in range(3):  # a port can be taken between free_cluster_port() and the bind
+        port = free_cluster_port()
         d = tmp_path / f"cluster{attempt}"
         d.mkdir()
         log = d / "redis.log"
