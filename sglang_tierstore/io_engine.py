@@ -46,7 +46,9 @@ on. A caller that may stop waiting (``as_completed(deadline)``, then ``cancel``)
 therefore has its items read into :class:`Staging` memory owned by the I/O thread
 and copied into the caller's memory through a :class:`Gate`, which the caller shuts
 before it returns: a read that finishes after that lands in the thread's own buffer,
-which that thread reuses only once the read has returned. The threads are daemons:
+which that thread reuses only once the read has returned. Every other caller settles
+its batch (``with batch:``) before it returns or raises: the items not started are
+dropped and the running ones waited for. The threads are daemons:
 one stuck in a preadv on a dead disk does not keep the interpreter from exiting.
 """
 
@@ -95,6 +97,8 @@ class Batch(Generic[R]):
         self._returned: list[tuple[int, int]] = []
         self._done: queue.SimpleQueue[tuple[int, Outcome[R]]] = queue.SimpleQueue()
         self._cancelled = False
+        self._idle = threading.Condition()  # guards _active, and _cancelled once settling
+        self._active = 0  # threads inside _run
 
     def _unclaimed(self) -> bool:
         return not self._cancelled and (bool(self._returned) or self._next < self._n)
@@ -110,17 +114,25 @@ class Batch(Generic[R]):
     def _run(self, first: int, stop: int, give_way: Optional[Callable[[], bool]] = None) -> int:
         """Run items [first, stop); return where it stopped: ``stop``, or the first item
         not run because ``give_way()`` said so (asked between items)."""
-        for k in range(first, stop):
-            if self._cancelled:  # nobody waits for it any more: a stalled disk gets no new requests
-                break
-            if k > first and give_way is not None and give_way():
-                return k
-            try:
-                out: Outcome[R] = self._fn(self._items[k])
-            except BaseException as e:  # kept per item (the caller decides what it means),
-                out = e  # and always reported: the caller waits for every item
-            self._done.put((k, out))
-        return stop
+        with self._idle:
+            self._active += 1
+        try:
+            for k in range(first, stop):
+                if self._cancelled:  # nobody waits for it any more: a stalled disk gets no new requests
+                    break
+                if k > first and give_way is not None and give_way():
+                    return k
+                try:
+                    out: Outcome[R] = self._fn(self._items[k])
+                except BaseException as e:  # kept per item (the caller decides what it means),
+                    out = e  # and always reported: the caller waits for every item
+                self._done.put((k, out))
+            return stop
+        finally:
+            with self._idle:
+                self._active -= 1
+                if not self._active:
+                    self._idle.notify_all()
 
     def as_completed(self, deadline: Optional[float] = None) -> Generator[tuple[int, Outcome[R]], None, None]:
         """(item position, outcome) of every item, in completion order; blocks, at most
@@ -145,6 +157,19 @@ class Batch(Generic[R]):
     def cancel(self) -> None:
         """Items not started yet never start (a running one cannot be stopped)."""
         self._cancelled = True
+
+    def __enter__(self) -> Batch[R]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Settle: cancel, then wait for the items running now. However the caller's
+        block ends (an exception while outcomes were still coming in included), once
+        it has, nothing of this batch touches the caller's memory any more: no late
+        preadv into host memory SGLang has reused. Unbounded, as waiting for every
+        item is; a caller that may give up on a stalled disk cancels instead."""
+        with self._idle:
+            self._cancelled = True
+            self._idle.wait_for(lambda: not self._active)
 
 
 class Gate:

@@ -360,7 +360,8 @@ class TierStore:
             pages.append((i, g.file_of(e.region), g.slot_offset(e.region, e.slot, ns.page_bytes)))
         runs = self._runs(pages, ns.page_bytes, len(dests[0]) if dests else 1)
         read_runs = self._read_staged if self.cfg.read_timeout_s else self._read_direct
-        # closed however this loop ends: a staged read shuts its gate before read returns
+        # closed however this loop ends: before read returns or raises, a direct read waits for
+        # the runs in flight (starting no more), a staged read shuts its gate
         with contextlib.closing(read_runs(a, runs, dests, ns.page_bytes, aligned)) as arriving:
             for k, o in arriving:
                 run = runs[k]
@@ -389,12 +390,14 @@ class TierStore:
     def _read_direct(self, a: _Attached, runs: list[list[_Page]], dests: Sequence[Regions], page_bytes: int,
                      aligned: bool) -> Generator[tuple[int, object], None, None]:
         """(run position, outcome) of each run, read straight into ``dests``, as runs
-        arrive; waits for every run (``read_timeout_s`` 0)."""
+        arrive; waits for every run (``read_timeout_s`` 0), and when closed early, for
+        the runs in flight, starting no more: none lands in ``dests`` after ``read``."""
         def read_run(run: list[_Page]) -> None:
             bufs = [m for p in run for m in dests[p[0]]]
             a.files.read(run[0][1], run[0][2], bufs, len(run) * page_bytes, aligned)
 
-        return self.io.submit(read_run, runs, _run_bytes(runs, page_bytes)).as_completed()
+        with self.io.submit(read_run, runs, _run_bytes(runs, page_bytes)) as batch:
+            yield from batch.as_completed()
 
     def _read_staged(self, a: _Attached, runs: list[list[_Page]], dests: Sequence[Regions], page_bytes: int,
                      aligned: bool) -> Generator[tuple[int, object], None, None]:
@@ -526,11 +529,12 @@ class TierStore:
             run, off, piece = unit
             a.files.write(run[0][1], run[0][2] + off, piece, sum(map(len, piece)), aligned)
 
-        batch = self.io.submit(write_unit, units, len(pages) * pb // max(1, len(units)), write=True)
-        tails = {i: self._tail(a, fields[i], slots[i], checksum(srcs[i])) for i in slots}  # while the pages are being written
+        with self.io.submit(write_unit, units, len(pages) * pb // max(1, len(units)), write=True) as batch:
+            tails = {i: self._tail(a, fields[i], slots[i], checksum(srcs[i])) for i in slots}  # while the pages are being written
+            outcomes = batch.results()
         failed: set[int] = set()
         touched: set[int] = set()
-        for (run, _, _), o in zip(units, batch.results()):
+        for (run, _, _), o in zip(units, outcomes):
             if isinstance(o, BaseException):
                 if run[0][0] not in failed:  # once per run, however many of its pieces failed
                     self._io_failure(a, "io_write", run[0][1], o)

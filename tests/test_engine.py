@@ -18,6 +18,7 @@ import pytest
 from conftest import RedisProc, flip_byte, keys
 from engine_kit import MiB, engine, housekeep, pages, read, views
 
+from sglang_tierstore import store as store_module
 from sglang_tierstore.errors import PageIOError
 from sglang_tierstore.schema import ALIGN
 from sglang_tierstore.store import MAX_RUN_BYTES
@@ -190,6 +191,61 @@ def test_a_read_during_a_large_write_waits_for_one_write_unit_per_thread(cfg: di
     finally:
         permits.release(64)
         pool.shutdown()
+        st.close()
+
+
+@pytest.mark.parametrize("op", ["read", "write"])
+def test_a_call_that_raises_with_io_in_flight_returns_only_after_that_io(cfg: dict[str, Any], op: str,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug in the caller's thread (here: verifying a page read, or making a written
+    page's tag) raises while other runs of the batch are in flight. The call raises only
+    once they are done: none of their preadv/pwritev happens after it, when SGLang may
+    already have given that host memory to other pages. The store is whole afterwards."""
+    st = engine(cfg, capacity_gb=64 * MiB / (1 << 30))
+    ns = st.namespace({}, MAX_RUN_BYTES)  # a page per run: 16 runs over 4 threads
+    ks, src = keys(16), pages(16, MAX_RUN_BYTES, 5)
+    raised, other_started = threading.Event(), threading.Event()
+    started: list[int] = []  # the preadv/pwritev calls begun
+    ended: list[bool] = []  # per call returned: did it return after the failing call raised?
+    try:
+        if op == "read":
+            assert st.write(ns, ks, views(src), False) == [True] * 16
+        files = st.attached().files
+        real_io = getattr(files, op)
+
+        def held_io(*args: Any) -> None:
+            started.append(len(started))
+            if len(started) == 1:
+                assert other_started.wait(HANG_S)  # the first run completes with another in flight
+            else:
+                other_started.set()
+                raised.wait(1.0)  # time for the call to raise and return, were it not waiting
+            real_io(*args)
+            ended.append(raised.is_set())
+
+        def bug(*args: Any) -> Any:
+            assert other_started.wait(HANG_S)
+            raise KeyError("a bug")
+
+        monkeypatch.setattr(files, op, held_io)
+        if op == "read":
+            monkeypatch.setattr(store_module, "checksum", bug)
+        else:
+            monkeypatch.setattr(st, "_tail", bug)
+        with pytest.raises(KeyError):
+            if op == "read":
+                read(st, ns, ks)
+            else:
+                st.write(ns, ks, views(src), False)
+        raised.set()
+        assert len(started) >= 2 and len(ended) == len(started) and not any(ended), (started, ended)
+        monkeypatch.undo()
+        if op == "write":
+            assert st.write(ns, ks, views(src), False) == [True] * 16
+        assert read(st, ns, ks) == ([True] * 16, src)
+        assert st.check() == []
+    finally:
+        raised.set()
         st.close()
 
 

@@ -139,6 +139,47 @@ def test_writes_finish_under_reads_that_never_let_up() -> None:
         assert io.close(HANG_S)
 
 
+def test_leaving_a_batch_early_waits_for_the_items_running_and_starts_no_more() -> None:
+    """A caller whose loop over outcomes raises leaves ``with batch:`` while two items
+    are still running: the exit returns only once both have finished, and no other item
+    of the batch ever starts (otherwise they would go on writing into memory the caller
+    no longer owns)."""
+    io = IOEngine(2)
+    both_inside, release = threading.Barrier(3, timeout=HANG_S), threading.Event()
+    started: list[int] = []
+    finished: list[int] = []
+
+    def item(i: int) -> None:
+        started.append(i)
+        both_inside.wait()
+        assert release.wait(HANG_S)
+        finished.append(i)
+
+    batch = io.submit(item, range(8), CLAIM_BYTES)
+
+    def release_once_settling() -> None:
+        deadline = time.monotonic() + HANG_S
+        while not batch._cancelled and time.monotonic() < deadline:  # the caller is in the exit
+            time.sleep(0.001)
+        release.set()
+
+    releaser = threading.Thread(target=release_once_settling)
+    try:
+        both_inside.wait()
+        releaser.start()
+        try:
+            with batch:
+                raise KeyError("a bug in the caller's loop")
+        except KeyError:
+            assert sorted(finished) == sorted(started) == [0, 1]
+        releaser.join(HANG_S)
+        assert io.close(HANG_S)  # every thread is idle: whatever the batch had left was dropped
+        assert sorted(started) == [0, 1]
+    finally:
+        release.set()
+        io.close(HANG_S)
+
+
 def test_a_batch_spreads_over_free_threads_in_claims_of_about_one_unit() -> None:
     """Small items are claimed several at a time (one lock per claim, not per item) but
     never more than an even share of the batch, so every thread gets some."""
