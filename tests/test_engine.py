@@ -204,7 +204,7 @@ def test_a_call_that_raises_with_io_in_flight_returns_only_after_that_io(cfg: di
     st = engine(cfg, capacity_gb=64 * MiB / (1 << 30))
     ns = st.namespace({}, MAX_RUN_BYTES)  # a page per run: 16 runs over 4 threads
     ks, src = keys(16), pages(16, MAX_RUN_BYTES, 5)
-    raised, other_started = threading.Event(), threading.Event()
+    raised, other_started, counting = threading.Event(), threading.Event(), threading.Lock()
     started: list[int] = []  # the preadv/pwritev calls begun
     ended: list[bool] = []  # per call returned: did it return after the failing call raised?
     try:
@@ -214,8 +214,10 @@ def test_a_call_that_raises_with_io_in_flight_returns_only_after_that_io(cfg: di
         real_io = getattr(files, op)
 
         def held_io(*args: Any) -> None:
-            started.append(len(started))
-            if len(started) == 1:
+            with counting:
+                first = not started
+                started.append(len(started))
+            if first:
                 assert other_started.wait(HANG_S)  # the first run completes with another in flight
             else:
                 other_started.set()
