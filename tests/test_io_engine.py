@@ -10,6 +10,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 from sglang_tierstore.io_engine import CLAIM_BYTES, IOEngine
 
 HANG_S = 30.0  # a deadline for what must happen without waiting for anything else
@@ -167,11 +169,9 @@ def test_leaving_a_batch_early_waits_for_the_items_running_and_starts_no_more() 
     try:
         both_inside.wait()
         releaser.start()
-        try:
-            with batch:
-                raise KeyError("a bug in the caller's loop")
-        except KeyError:
-            assert sorted(finished) == sorted(started) == [0, 1]
+        with pytest.raises(KeyError), batch:
+            raise KeyError("a bug in the caller's loop")
+        assert sorted(finished) == sorted(started) == [0, 1]
         releaser.join(HANG_S)
         assert io.close(HANG_S)  # every thread is idle: whatever the batch had left was dropped
         assert sorted(started) == [0, 1]
