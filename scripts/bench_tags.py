@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What entry tags (``sglang_tierstore.mac``) cost per batch, next to the batch itself.
+"""What entry tags (``sglang_tierstore.tags``) cost per batch, next to the batch itself.
 
     python3 scripts/bench_tags.py --out scripts/results/bench_tags.json > scripts/results/bench_tags.txt
         (the committed run; about a minute)
@@ -34,7 +34,7 @@ from engine_kit import engine, pages, views  # noqa: E402
 
 from sglang_tierstore.allocator import Slot  # noqa: E402
 from sglang_tierstore.embedded import ensure_embedded_redis, stop_embedded_redis  # noqa: E402
-from sglang_tierstore.private import PRIVATE  # noqa: E402
+from sglang_tierstore.perms import PRIVATE  # noqa: E402
 from sglang_tierstore.schema import ENTRY_HEAD, entry_fields  # noqa: E402
 from sglang_tierstore.store import TierStore  # noqa: E402
 

@@ -69,7 +69,7 @@ from sglang_tierstore.config import redact_url  # noqa: E402
 from sglang_tierstore.embedded import ensure_embedded_redis, pid_file  # noqa: E402
 from sglang_tierstore.eviction import Housekeeper  # noqa: E402
 from sglang_tierstore.index import RedisIndex  # noqa: E402
-from sglang_tierstore.private import modes  # noqa: E402
+from sglang_tierstore.perms import modes  # noqa: E402
 from sglang_tierstore.store import Namespace  # noqa: E402
 
 MiB = 1 << 20

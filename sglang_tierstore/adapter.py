@@ -34,11 +34,11 @@ from sglang.srt.mem_cache.hicache_storage import (
 from sglang_tierstore.config import TierStoreConfig, redact_url
 from sglang_tierstore.embedded import embedded_running, ensure_embedded_redis, redis_dir, stop_embedded_redis
 from sglang_tierstore.errors import IndexUnavailable, StoreDetached, TierStoreError
-from sglang_tierstore.eviction import Housekeeper
+from sglang_tierstore import inspect
 from sglang_tierstore.hostmem import PagePlan, tensor_bytes
 from sglang_tierstore.io_engine import Gate
 from sglang_tierstore.metrics import Metrics
-from sglang_tierstore.private import check_dirs, modes, redis_password, redis_tls, remove_created
+from sglang_tierstore.perms import check_dirs, modes, redis_password, redis_tls, remove_created
 from sglang_tierstore.store import Namespace, TierStore
 
 logger = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ def _guarded(fallback: Callable[..., Any]) -> Callable[[F], F]:
                 self.store.metrics.error("index_unavailable")
                 self.store.log.warning("index", "%s: %s; answering misses", fn.__name__, e)
             except StoreDetached as e:
-                self.store.detach(e)
+                self.store.space.detach(e)
             except (ValueError, LookupError) as e:  # bad input from the caller: the message says what
                 self.store.metrics.error("bad_call")
                 self.store.log.warning(f"bad_call:{fn.__name__}", "%s failed: %s", fn.__name__, e)
@@ -117,7 +117,8 @@ def _leading(flags: List[bool]) -> int:
 
 
 class TierStoreBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no type information
-    """SGLang HiCache L3 backend: Redis index + preallocated NVMe slot files."""
+    """SGLang HiCache L3 backend: pages in regions of page files on local disks, indexed
+    in Redis or Valkey; every call SGLang 0.5.23 makes, none of which raises."""
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict[str, Any]] = None) -> None:
         self.cfg = TierStoreConfig.from_dict(storage_config.extra_config)
@@ -141,9 +142,7 @@ class TierStoreBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
             shared = embedded and embedded_running(self.cfg.path[0])  # another rank's: it stays, with its directory
             remove_created(created, keep=redis_dir(self.cfg.path[0]) if shared else None)
             raise
-        on_down = self._restart_embedded_redis if embedded else None
-        self.housekeeper = Housekeeper(self.store, on_index_down=on_down)
-        self.housekeeper.start()
+        self.store.start_housekeeping(self._restart_embedded_redis if embedded else None)
         self._pools: dict[str, _Pool] = {}
         self._lock = threading.Lock()
         # Per-batch samples for SGLang's StorageMetrics: only kept when SGLang collects them
@@ -408,8 +407,8 @@ class TierStoreBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
         return StorageMetrics(**stats)
 
     def check(self, fix: bool = False, verify_pages: bool = True) -> list[str]:
-        """Compare the index with itself and the page files (see ``sglang_tierstore.check``)."""
-        return self.store.check(fix, verify_pages)
+        """Compare the index with itself and the page files (see :func:`sglang_tierstore.inspect.check`)."""
+        return inspect.check(self.store, fix, verify_pages)
 
     def close(self) -> None:
         """Release everything: threads, page files, Redis connections, leases. SGLang
@@ -426,15 +425,14 @@ class TierStoreBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
             self._closed = True
         deadline = time.monotonic() + CLOSE_WAIT_S
         calls_done = self._calls.close(CLOSE_WAIT_S)
-        hk_done = self.housekeeper.stop(max(0.0, deadline - time.monotonic()))
         released = self.store.close(max(0.0, deadline - time.monotonic()))
-        if calls_done and hk_done and released:
+        if calls_done and released:
             logger.info("tierstore: closed")
         else:
             logger.warning("tierstore: closed with work still running after %.0f s (a disk that stopped answering?): "
-                           "calls done %s, housekeeping stopped %s, I/O threads stopped and leases given back %s; "
+                           "calls done %s, housekeeping and I/O threads stopped and leases given back %s; "
                            "what it holds is released when it returns, its leases expire after lease_s",
-                           CLOSE_WAIT_S, calls_done, hk_done, released)
+                           CLOSE_WAIT_S, calls_done, released)
 
     def __enter__(self) -> "TierStoreBackend":
         return self

@@ -29,17 +29,12 @@ import json
 import logging
 import os
 import sys
-import threading
-import time as mod_time
 import urllib.request
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+from typing import Any, Optional, Sequence
 
-from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from sglang_tierstore import home, plan
+from sglang_tierstore import inspect, plan
 from sglang_tierstore.config import TierStoreConfig, redact_url
 from sglang_tierstore.embedded import (
     embedded_running,
@@ -50,8 +45,10 @@ from sglang_tierstore.embedded import (
     stop_embedded_redis,
 )
 from sglang_tierstore.errors import ConfigError, IndexUnavailable, NoStore, TierStoreError
-from sglang_tierstore.private import check_dirs, modes, redis_password, redis_tls, remove_created
-from sglang_tierstore.store import Namespace, TierStore, open_index
+from sglang_tierstore.exporter import run_exporter
+from sglang_tierstore.inspect import Opened, index_url, open_store
+from sglang_tierstore.perms import check_dirs, modes, remove_created
+from sglang_tierstore.store import Namespace, open_index
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +73,7 @@ def load_config(text: Optional[str]) -> TierStoreConfig:
     if not text:
         raise CliError(USAGE, f"no config: give --config '<json>' or --config @file.json, or set ${CONFIG_ENV}")
     try:
-        doc = _read_config_file(text[1:]) if text.startswith("@") else json.loads(text)
+        doc = _config_document(text[1:]) if text.startswith("@") else json.loads(text)
     except (OSError, ValueError, ImportError) as e:
         raise CliError(USAGE, f"--config {text if text.startswith('@') else '<json>'}: {e}") from None
     if not isinstance(doc, dict):
@@ -84,7 +81,7 @@ def load_config(text: Optional[str]) -> TierStoreConfig:
     return TierStoreConfig.from_dict(doc)
 
 
-def _read_config_file(path: str) -> Any:
+def _config_document(path: str) -> Any:
     ext = os.path.splitext(path)[1].lower()
     with open(path, "rb") as f:
         if ext == ".json":
@@ -100,97 +97,14 @@ def _read_config_file(path: str) -> Any:
     raise ValueError(f"unsupported config file extension {ext!r} (expected .json, .toml, .yaml or .yml)")
 
 
-# -- opening a store ------------------------------------------------------------------
-
-
-@dataclass
-class Opened:
-    """A store joined for an operator's command, and how its index was reached."""
-
-    store: TierStore
-    store_id: str
-    url: str  # with the password: show only ``redact_url(url)``
-    embedded: bool
-
-    def close(self) -> None:
-        self.store.close()
-
-
-def _check_paths(cfg: TierStoreConfig) -> None:
-    """Every directory of ``path`` is there: NoStore if none is (nothing was ever stored), an
-    error if some are missing (a device not mounted: attaching would create an empty directory
-    in its place) or cannot be entered."""
-    missing = [p for p in cfg.path if not os.path.lexists(p)]
-    if len(missing) == len(cfg.path):
-        raise NoStore(f"no store: {', '.join(cfg.path)} does not exist (config key 'path')")
-    if missing:
-        raise CliError(UNREACHABLE, f"directory {', '.join(missing)} of config key 'path' does not exist (not mounted?)")
-    for p in cfg.path:
-        if not os.path.isdir(p) or not os.access(p, os.R_OK | os.W_OK | os.X_OK):
-            raise CliError(UNREACHABLE, f"config key 'path': {p} is not a directory this user can read and write")
-
-
-def index_url(cfg: TierStoreConfig, start_redis: bool) -> tuple[str, bool]:
-    """(URL of the index, whether it is the embedded Redis). The embedded one is joined only
-    if running, or started with ``start_redis``."""
-    if cfg.redis_url is not None:
-        return cfg.redis_url, False
-    path = cfg.path[0]
-    if not start_redis and not embedded_running(path):
-        raise CliError(UNREACHABLE, f"the embedded Redis of {path} is not running (socket {socket_path(path)}); "
-                       "start it with `tierstore redis start`, or pass --start-redis")
-    return ensure_embedded_redis(path, modes(cfg.file_access), cfg.redis_server).url, True
-
-
-def open_store(cfg: TierStoreConfig, start_redis: bool) -> Opened:
-    """Join the store ``cfg`` names, as it is; NoStore if there is none (nothing is created)."""
-    _check_paths(cfg)
-    url, embedded = index_url(cfg, start_redis)
-    try:
-        idx = open_index(cfg, url)
-        try:
-            store_id = home.find_store(idx, cfg.redis_prefix, cfg.path)
-        finally:
-            idx.close()
-        store = TierStore(cfg, url, startup=False)
-        try:
-            store.attached()
-        except BaseException:
-            store.close()
-            raise
-    except IndexUnavailable as e:
-        raise CliError(UNREACHABLE, f"cannot reach the index at {redact_url(url)}: {e}") from None
-    return Opened(store, store_id, url, embedded)
-
-
 # -- stats ----------------------------------------------------------------------------
 
 
-def index_facts(store: TierStore) -> dict[str, Any]:
-    """What the index says of the whole store (no process's own counts): usage, page sizes,
-    Redis memory (None where INFO is refused, as the ACL of ``index.acl_rule`` does)."""
-    usage = store.usage()
-    sizes = store.page_sizes()
-    try:
-        memory: Optional[int] = store.index.memory_used()
-    except IndexUnavailable:
-        raise
-    except TierStoreError:
-        memory = None
-    return {
-        "usage": usage,
-        "used_bytes": sum(pb * d["live"] for pb, d in sizes.items()),
-        "leased_slots": sum(d["leased"] for d in sizes.values()),
-        "page_sizes": [{"page_bytes": pb, **d} for pb, d in sorted(sizes.items())],
-        "index_memory_bytes": memory,
-    }
-
-
 def gather_stats(o: Opened, cfg: TierStoreConfig, counters: Optional[dict[str, float]]) -> dict[str, Any]:
-    facts = index_facts(o.store)
-    pages = o.store.pages_by_namespace()
+    facts = inspect.index_facts(o.store)
+    pages = inspect.pages_by_namespace(o.store)
     namespaces = [{"id": ns, "page_bytes": pb, "pages": pages.get(ns, 0), "description": desc}
-                  for ns, (pb, desc) in sorted(o.store.namespace_descriptions().items())]
+                  for ns, (pb, desc) in sorted(o.store.namespaces().items())]
     return {
         "store": {"id": o.store_id, "prefix": cfg.redis_prefix, "paths": list(cfg.path)},
         "index": {"url": redact_url(o.url), "embedded": o.embedded, "used_memory_bytes": facts.pop("index_memory_bytes")},
@@ -276,120 +190,6 @@ def render_stats(s: dict[str, Any], cfg: TierStoreConfig, metrics_url: Optional[
     return "\n".join(lines)
 
 
-# -- exporter -------------------------------------------------------------------------
-
-
-def _gauge(name: str, doc: str, labels: Sequence[str] = ()) -> GaugeMetricFamily:
-    return GaugeMetricFamily(f"tierstore_store_{name}", doc, labels=list(labels))
-
-
-def facts_metrics(f: Mapping[str, Any]) -> list[Metric]:
-    """Prometheus gauges of :func:`index_facts`."""
-    u = f["usage"]
-    out: list[Metric] = []
-    for name, value, doc in (
-        ("capacity_bytes", u["capacity_bytes"], "Capacity of the store, as recorded in the index."),
-        ("allocated_bytes", u["allocated_bytes"], "Disk space held by allocated regions."),
-        ("used_bytes", f["used_bytes"], "Bytes of committed pages."),
-        ("pages", u["pages"], "Committed pages (index entries)."),
-        ("leases", u["leases"], "Writers' leases outstanding (a writer that died holds one until lease_s)."),
-        ("leased_slots", f["leased_slots"], "Slots handed to writers and not yet committed or given back."),
-        ("page_files", u["files"], "Page files recorded in the index."),
-    ):
-        g = _gauge(name, doc)
-        g.add_metric([], value)
-        out.append(g)
-    regions = _gauge("regions", "Regions by state (used: holding pages of one size).", ["state"])
-    for state in ("used", "free", "hole", "punch", "draining"):
-        regions.add_metric([state], u[f"{state}_regions"])
-    by_size = _gauge("page_size_regions", "Regions in use by page size.", ["page_bytes"])
-    slots = _gauge("slots", "Slots of regions in use, by page size and state (live: committed pages).",
-                   ["page_bytes", "state"])
-    for d in f["page_sizes"]:
-        by_size.add_metric([str(d["page_bytes"])], d["regions"])
-        for state in ("live", "leased", "dead"):
-            slots.add_metric([str(d["page_bytes"]), state], d[state])
-    out += [regions, by_size, slots]
-    if f["index_memory_bytes"] is not None:
-        mem = _gauge("index_memory_bytes", "Memory the index's Redis uses (INFO used_memory).")
-        mem.add_metric([], f["index_memory_bytes"])
-        out.append(mem)
-    return out
-
-
-class StoreCollector:
-    """Reads the store's index at scrape time (at most once per ``interval_s``): usage and
-    page sizes stream the index in bounded steps. Keeps the store joined between scrapes and
-    joins it again after any failure, so the exporter may start before the store does."""
-
-    def __init__(self, cfg: TierStoreConfig, start_redis: bool, interval_s: float,
-                 clock: Callable[[], float] = mod_time.monotonic) -> None:
-        self.cfg = cfg
-        self.start_redis = start_redis
-        self.interval_s = interval_s
-        self.clock = clock
-        self._opened: Optional[Opened] = None
-        self._last: tuple[float, list[Metric]] = (-float("inf"), [])
-        self._why = ""
-        self._lock = threading.Lock()
-
-    def collect(self) -> Iterable[Metric]:
-        with self._lock:
-            now = self.clock()
-            if now - self._last[0] >= self.interval_s:
-                self._last = (now, self._read())
-            return list(self._last[1])
-
-    def _read(self) -> list[Metric]:
-        up = _gauge("up", "1: the store was read for this scrape; 0: no store yet, or its index or "
-                          "directories cannot be reached (the exporter logs why).")
-        try:
-            if self._opened is None:
-                self._opened = open_store(self.cfg, self.start_redis)
-            metrics = facts_metrics(index_facts(self._opened.store))
-        except (CliError, TierStoreError, OSError) as e:
-            self._failed(str(e))
-            up.add_metric([], 0)
-            return [up]
-        if self._why:
-            logger.warning("tierstore exporter: store %s read again", self._opened.store_id)
-            self._why = ""
-        up.add_metric([], 1)
-        return [up, *metrics]
-
-    def _failed(self, why: str) -> None:
-        if why != self._why:
-            logger.warning("tierstore exporter: %s", why)
-            self._why = why
-        self.close()
-
-    def close(self) -> None:
-        if self._opened is not None:
-            self._opened.close()
-            self._opened = None
-
-
-def run_exporter(cfg: TierStoreConfig, port: int, addr: str, interval_s: float, start_redis: bool) -> int:
-    redis_password(cfg.redis_password_env, cfg.redis_password_file)  # config errors now, not at each scrape
-    redis_tls(cfg.redis_tls_ca_file, cfg.redis_tls_cert_file, cfg.redis_tls_key_file)
-    collector = StoreCollector(cfg, start_redis, interval_s)
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(collector)
-    try:
-        start_http_server(port, addr, registry=registry)
-    except OSError as e:
-        raise CliError(UNREACHABLE, f"cannot listen on {addr}:{port}: {e}") from None
-    print(f"tierstore exporter: store under {', '.join(cfg.path)} (prefix {cfg.redis_prefix!r}) "
-          f"on http://{addr}:{port}/metrics", file=sys.stderr, flush=True)
-    try:
-        threading.Event().wait()  # serves until killed
-    except KeyboardInterrupt:
-        pass
-    finally:
-        collector.close()
-    return OK
-
-
 # -- commands -------------------------------------------------------------------------
 
 
@@ -408,11 +208,11 @@ def _check(args: argparse.Namespace, cfg: TierStoreConfig) -> int:
     o = open_store(cfg, args.start_redis)
     try:
         verify = not args.no_verify
-        problems = o.store.check(fix=args.fix, verify_pages=verify)
+        problems = inspect.check(o.store, fix=args.fix, verify_pages=verify)
         for p in problems:
             print(p)
         if args.fix and problems:
-            found, problems = len(problems), o.store.check(fix=False, verify_pages=verify)
+            found, problems = len(problems), inspect.check(o.store, fix=False, verify_pages=verify)
             print(f"{found} problem(s) found and fixed where possible; {len(problems)} remain")
             for p in problems:
                 print(f"remains: {p}")
@@ -436,7 +236,7 @@ def _confirm(question: str) -> bool:
 def _clear(args: argparse.Namespace, cfg: TierStoreConfig) -> int:
     o = open_store(cfg, args.start_redis)
     try:
-        known = o.store.namespace_descriptions()
+        known = o.store.namespaces()
         chosen = sorted(set(args.namespace or known))
         unknown = [ns for ns in chosen if ns not in known]
         if unknown:
@@ -445,7 +245,7 @@ def _clear(args: argparse.Namespace, cfg: TierStoreConfig) -> int:
         if not chosen:
             print(f"store {o.store_id} has no namespaces: nothing to clear")
             return OK
-        pages = o.store.pages_by_namespace()
+        pages = inspect.pages_by_namespace(o.store)
         what = "every namespace" if not args.namespace else f"namespace(s) {', '.join(chosen)}"
         question = (f"Drop {sum(pages.get(ns, 0) for ns in chosen)} pages of {what} from store {o.store_id} "
                     f"under {', '.join(cfg.path)}?")
@@ -513,7 +313,8 @@ def _pid(path: str) -> Optional[int]:
 
 
 def _exporter(args: argparse.Namespace, cfg: TierStoreConfig) -> int:
-    return run_exporter(cfg, args.port, args.addr, args.interval, args.start_redis)
+    run_exporter(cfg, args.port, args.addr, args.interval, args.start_redis)
+    return OK
 
 
 # -- arguments ------------------------------------------------------------------------

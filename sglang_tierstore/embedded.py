@@ -39,7 +39,7 @@ import xxhash
 
 from sglang_tierstore.errors import EmbeddedRedisError
 from sglang_tierstore.index import password_state, shutdown_unprotected
-from sglang_tierstore.private import (
+from sglang_tierstore.perms import (
     PRIVATE,
     Modes,
     check_owned_dir,

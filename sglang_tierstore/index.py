@@ -1,23 +1,28 @@
 """The Redis index connection: the only module that speaks Redis.
 
-It knows commands and scripts, not what the keys mean (``schema`` names them,
-``allocator`` holds the scripts that change them). Every call goes through
-:meth:`RedisIndex._call`: connection trouble raises :class:`IndexUnavailable` and
-opens a breaker for ``retry_s``, during which calls fail at once instead of waiting
-on timeouts again. A script that finds its store gone raises :class:`StoreDetached`.
+It knows commands and how to run a Lua library, not what the keys mean (``schema``
+names them and their values; the space layer's library holds the functions that change
+them). Every call goes through :meth:`RedisIndex._call`: connection trouble raises
+:class:`IndexUnavailable` and opens a breaker for ``retry_s``, during which calls fail
+at once instead of waiting on timeouts again. A function that finds its store gone
+raises :class:`StoreDetached`. Nothing is sent twice after a timeout or a dropped
+connection (a function whose reply was lost may have run); only replies that prove a
+call did not run (its library or script not loaded) are followed by a retry.
 
-Scripts are registered once and called by EVALSHA, reloaded on NOSCRIPT (a Redis
-restart or SCRIPT FLUSH). Several calls (one per shard) go out in one pipeline.
+A library runs as Redis Functions (FCALL) where the server has them, else as one script
+per function (EVALSHA): see :mod:`sglang_tierstore.space.library` for why. Several calls
+(one per shard) go out in one pipeline.
 
 A Redis shared with others can give tierstore an ACL user of its own that may touch only
 its keys with only the commands it sends (:func:`acl_rule`), and be reached over TLS
-(``rediss://`` with :class:`~sglang_tierstore.private.TlsFiles`).
+(``rediss://`` with :class:`~sglang_tierstore.perms.TlsFiles`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import threading
+from dataclasses import dataclass
 import time as mod_time
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, TypeVar, cast
 
@@ -26,16 +31,16 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from sglang_tierstore.errors import IndexUnavailable, StoreDetached, TierStoreError
-from sglang_tierstore.private import TlsFiles
-from sglang_tierstore.schema import key_globs
+from sglang_tierstore.perms import TlsFiles
+from sglang_tierstore.schema import STALE, key_globs
 
 T = TypeVar("T")
 
-# Every command tierstore sends, its scripts' included (Redis checks the commands a script
-# calls against its caller's ACL too). INFO is left out: only ``memory_used`` sends it, for
+# Every command tierstore sends, its functions' included (Redis checks the commands a function
+# calls against its caller's ACL too; EVALSHA and SCRIPT LOAD for servers without functions). INFO is left out: only ``memory_used`` sends it, for
 # scripts/index_memory.py against an embedded Redis.
 ACL_COMMANDS = (
-    "evalsha", "script|load", "multi", "exec", "exists", "unlink", "scan",
+    "fcall", "function|load", "evalsha", "script|load", "multi", "exec", "exists", "unlink", "scan",
     "hexists", "hget", "hmget", "hgetall", "hlen", "hscan", "hset", "hsetnx", "hincrby", "hdel",
     "zadd", "zcard", "zrange", "zrangebyscore", "zscore", "zrem",
 )
@@ -95,6 +100,39 @@ def shutdown_unprotected(url: str, timeout_s: float) -> None:
         r.close()
 
 
+@dataclass(frozen=True)
+class Library:
+    """A Lua library in both forms a server may run it in: ``code`` for FUNCTION LOAD
+    (its functions registered as ``<name>_<function>``), and ``scripts``, one per
+    function, for EVALSHA on a server without functions."""
+
+    name: str
+    code: str
+    scripts: Mapping[str, str]
+
+    def function(self, name: str) -> str:
+        """The server's name of one of the library's functions."""
+        return f"{self.name}_{name}"
+
+
+def _unknown_command(o: Any) -> bool:
+    return isinstance(o, redis.ResponseError) and "unknown command" in str(o).lower()
+
+
+def _not_loaded(o: Any) -> bool:
+    """A reply proving the call did not run: its function or script is not loaded."""
+    return isinstance(o, redis.exceptions.NoScriptError) or (
+        isinstance(o, redis.ResponseError) and str(o).startswith("Function not found"))
+
+
+def _load_functions(r: redis.Redis, code: str) -> None:
+    try:
+        r.function_load(code)
+    except redis.ResponseError as e:
+        if "already exists" not in str(e):  # loaded meanwhile by another process: the same code
+            raise
+
+
 def _tls_kwargs(url: str, tls: Optional[TlsFiles]) -> dict[str, Any]:
     """redis-py's TLS arguments: a ``rediss://`` index must show a certificate that the CA
     signed *for the host in the URL* (redis-py before 6 checks no host name unless told)."""
@@ -130,7 +168,9 @@ class RedisIndex:
             **({"password": password} if password is not None else {}),
             **_tls_kwargs(url, tls),
         )
-        self._scripts: dict[str, tuple[str, str]] = {}  # name -> (sha1, text)
+        self._library: Optional[Library] = None
+        self._shas: dict[str, str] = {}
+        self._mode = "functions"  # until the server answers FCALL with "unknown command"
         self._closed = False
 
     # -- failure handling -----------------------------------------------------
@@ -155,7 +195,7 @@ class RedisIndex:
             if isinstance(e, redis.exceptions.NoPermissionError) or msg.startswith(_SCRIPT_DENIED):
                 raise TierStoreError(f"redis refused this user ({msg}); it needs the ACL rules of "
                                      "sglang_tierstore.index.acl_rule(redis_prefix)") from e
-            if msg.startswith("TSSTALE"):
+            if msg.startswith(STALE):
                 raise StoreDetached("the store is not in the index any more (dropped, or the index was lost)") from e
             if msg.startswith(_NOT_SERVING):
                 self._trip()
@@ -169,47 +209,72 @@ class RedisIndex:
         with self._down_lock:
             self._down_until = self._clock() + self.retry_s
 
-    # -- scripts ----------------------------------------------------------------
+    # -- the Lua library ------------------------------------------------------------
 
-    def register(self, scripts: Mapping[str, str]) -> None:
-        """Make scripts callable by name (their text is loaded on first use)."""
-        for name, text in scripts.items():
-            self._scripts[name] = (hashlib.sha1(text.encode()).hexdigest(), text)
+    def load(self, library: Library) -> None:
+        """Make the library's functions callable (it reaches the server on first use)."""
+        self._library = library
+        self._shas = {f: hashlib.sha1(text.encode()).hexdigest() for f, text in library.scripts.items()}
 
-    def script(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        """Run one script: one round trip (two after a Redis restart)."""
-        return self.scripts([(name, keys, args)])[0]
+    def call(self, function: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """Run one function of the library: one round trip."""
+        return self.calls([(function, keys, args)])[0]
 
-    def scripts(self, calls: Sequence[tuple[str, Sequence[str], Sequence[Any]]]) -> list[Any]:
-        """Run several scripts in one pipelined round trip; results in call order."""
+    def calls(self, calls: Sequence[tuple[str, Sequence[str], Sequence[Any]]]) -> list[Any]:
+        """Run several functions in one pipelined round trip; results in call order.
+
+        As FCALL where the server has functions, else as EVALSHA (see
+        :mod:`sglang_tierstore.space.library`); a library or script the server does not
+        hold yet (first use, FUNCTION FLUSH, SCRIPT FLUSH, a restart without persistence)
+        is loaded and the calls sent again: those replies prove nothing ran."""
+        if self._library is None:
+            raise TierStoreError("no Lua library loaded into this index connection")
+        library = self._library
+
+        def send(mode: str) -> list[Any]:
+            if len(calls) == 1:  # no pipeline for one call: less Python on the hot path
+                f, keys, args = calls[0]
+                try:
+                    if mode == "functions":
+                        return [self._r.fcall(library.function(f), len(keys), *keys, *args)]
+                    return [self._r.evalsha(self._shas[f], len(keys), *keys, *args)]
+                except redis.ResponseError as e:
+                    return [e]
+            pipe = self._r.pipeline(transaction=False)
+            for f, keys, args in calls:
+                if mode == "functions":
+                    pipe.fcall(library.function(f), len(keys), *keys, *args)
+                else:
+                    pipe.evalsha(self._shas[f], len(keys), *keys, *args)
+            return list(pipe.execute(raise_on_error=False))
 
         def run() -> list[Any]:
             for attempt in (0, 1):
-                if len(calls) == 1:
-                    name, keys, args = calls[0]
-                    try:
-                        return [self._r.evalsha(self._scripts[name][0], len(keys), *keys, *args)]
-                    except redis.exceptions.NoScriptError:
-                        if attempt:
-                            raise
-                        self._r.script_load(self._scripts[name][1])
-                        continue
-                pipe = self._r.pipeline(transaction=False)
-                for name, keys, args in calls:
-                    pipe.evalsha(self._scripts[name][0], len(keys), *keys, *args)
-                out = pipe.execute(raise_on_error=False)
-                missing = {calls[i][0] for i, o in enumerate(out) if isinstance(o, redis.exceptions.NoScriptError)}
+                mode = self._mode
+                out = send(mode)
+                if mode == "functions" and any(_unknown_command(o) for o in out):
+                    self._mode = "scripts"  # a server without functions: the same code as scripts
+                    continue
+                missing = [calls[i][0] for i, o in enumerate(out) if _not_loaded(o)]
                 if missing and not attempt:
-                    for name in missing:
-                        self._r.script_load(self._scripts[name][1])
+                    if mode == "functions":
+                        _load_functions(self._r, library.code)
+                    else:
+                        for f in set(missing):
+                            self._r.script_load(library.scripts[f])
                     continue
                 for o in out:
                     if isinstance(o, Exception):
                         raise o
-                return list(out)
-            raise AssertionError("unreachable")
+                return out
+            raise TierStoreError("the index does not keep the Lua library loaded")
 
         return self._call(run)
+
+    @property
+    def uses_functions(self) -> bool:
+        """Whether the library runs as Redis Functions (else as scripts), as far as known."""
+        return self._mode == "functions"
 
     # -- commands -----------------------------------------------------------------
 

@@ -36,7 +36,7 @@ BYTES = Counter("tierstore_bytes_total", "Page bytes moved to or from page files
 ERRORS = Counter("tierstore_errors_total", "Failures turned into misses or failed writes, by kind.", ["kind", *RANK_LABELS])
 HOUSEKEEPING = Counter(
     "tierstore_housekeeping_total",
-    "Slots moved by housekeeping: leases reclaimed, pages evicted, quarantines released.",
+    "Work done off the hot path, by action: leases expired, regions and pages evicted, page files added and forgotten.",
     ["action", *RANK_LABELS],
 )
 LATENCY = Histogram(

@@ -1,21 +1,21 @@
-"""Page files: regions of slots on disk. Knows offsets and files, not keys.
+"""Page files: bytes at offsets. Knows files, not keys, regions or the index.
 
 Each of a store's directories holds, for prefix ``P`` and store id ``X``::
 
-    <dir>/tierstore-<P>/store.json          which store this directory belongs to (home.py)
+    <dir>/tierstore-<P>/store.json          which store this directory belongs to (space.attach)
     <dir>/tierstore-<P>/<X>/f000012.pages   page file 12 of store X
 
-A page file is a 4 KiB header (JSON: prefix, store id, file number, uid, region size,
-regions per file) and then ``regions_per_file`` regions. Which directory holds file
-``n`` and which uid it carries are the index's (``files`` record), never derived
-from the list of directories, so adding or removing a directory moves nothing.
+A page file is a 4 KiB header (JSON: the store's identity, file number and uid) and then
+the store's regions (:mod:`sglang_tierstore.space.geometry`). Which directory holds file
+``n`` and which uid it carries are the index's (a :class:`FileRef` the space layer hands
+down with every call), never derived from the list of directories, so adding or removing
+a directory moves nothing, and nothing here ever asks the index.
 
-A file is opened only if its header names the store, number and uid the index
-records. Deleting or replacing a file is noticed on open, before every commit of a
-write into it (its path must still lead to the inode we write to), and by
-housekeeping: the store then forgets the file (:class:`FileGone`). Every other
-failure (EMFILE, ENOMEM, EIO, EACCES...) is a :class:`PageIOError`: a miss or a
-failed write that leaves the index alone.
+A file is opened only if its header names the store, number and uid of its ref.
+Deleting or replacing a file is noticed on open, by :meth:`PageFiles.still_there`
+(its path must still lead to the inode we use), and by a short read: :class:`FileGone`.
+Every other failure (EMFILE, ENOMEM, EIO, EACCES...) is a :class:`PageIOError`: a miss
+or a failed write that leaves the index alone.
 
 A slot holds the page's bytes and nothing else, so a run of pages in adjacent slots
 moves in one ``preadv``/``pwritev``. The index vouches for what a slot holds: its
@@ -32,14 +32,13 @@ import os
 import re
 import threading
 from contextlib import contextmanager
-from typing import Callable, Iterator, NamedTuple, Optional, Sequence
+from typing import Iterator, Mapping, NamedTuple, Sequence
 
 import xxhash
 
-from sglang_tierstore.allocator import Geometry
 from sglang_tierstore.errors import FileGone, PageIOError
-from sglang_tierstore.private import PRIVATE, Modes, create_file, own_dir
-from sglang_tierstore.schema import FORMAT, HEADER_BYTES
+from sglang_tierstore.perms import PRIVATE, Modes, create_file, own_dir
+from sglang_tierstore.schema import HEADER_BYTES
 
 MAGIC = "tierstore-pages"
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
@@ -57,12 +56,12 @@ def checksum(regions: Sequence[memoryview]) -> int:
     return h.intdigest()
 
 
-class FileRecord(NamedTuple):
-    """A page file as the index records it."""
+class FileRef(NamedTuple):
+    """Which page file to use: its number, the directory (id) holding it, its uid."""
 
+    number: int
     dir_id: str
     uid: str
-    state: str  # c creating, r ready, l lost
 
 
 class _Open:
@@ -85,25 +84,14 @@ class _Open:
 class PageFiles:
     """Open page files of one store, positioned I/O of runs of slots."""
 
-    def __init__(
-        self,
-        prefix: str,
-        geometry: Geometry,
-        dirs: dict[str, str],
-        resolve: Callable[[int], Optional[FileRecord]],
-        o_direct: bool,
-        fsync: bool,
-        modes: Modes = PRIVATE,
-    ) -> None:
-        """``dirs``: directory id -> the store's directory there; ``resolve``: the
-        index's record of a file number (None if it has none)."""
+    def __init__(self, identity: Mapping[str, object], dirs: Mapping[str, str], o_direct: bool,
+                 modes: Modes = PRIVATE) -> None:
+        """``identity``: what every file's header says of the store (prefix, store id,
+        geometry); ``dirs``: directory id -> the store's directory there."""
         self.modes = modes
-        self.prefix = prefix
-        self.geometry = geometry
+        self.identity = dict(identity)
         self.dirs = dict(dirs)
-        self._resolve = resolve
         self.o_direct = o_direct and hasattr(os, "O_DIRECT")
-        self.fsync = fsync
         self._open: dict[int, _Open] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -115,24 +103,22 @@ class PageFiles:
     def path(self, file_no: int, dir_id: str) -> str:
         return os.path.join(self.dirs[dir_id], f"f{file_no:06d}.pages")
 
-    def header(self, file_no: int, uid: str) -> bytes:
-        g = self.geometry
-        doc = {"magic": MAGIC, "format": FORMAT, "prefix": self.prefix, "store": g.store_id, "file": file_no,
-               "uid": uid, "region_bytes": g.region_bytes, "regions_per_file": g.regions_per_file}
+    def header(self, ref: FileRef) -> bytes:
+        doc = {"magic": MAGIC, **self.identity, "file": ref.number, "uid": ref.uid}
         raw = json.dumps(doc, sort_keys=True).encode()
         return raw + b"\0" * (HEADER_BYTES - len(raw))
 
     # -- files -----------------------------------------------------------------------
 
-    def create(self, file_no: int, dir_id: str, uid: str) -> None:
+    def create(self, ref: FileRef) -> None:
         """Write a new page file (header only; regions get space when allocated).
         Anything left at its path is not in the index, so it is replaced."""
-        final = self.path(file_no, dir_id)
+        final = self.path(ref.number, ref.dir_id)
         tmp = f"{final}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
             fd = create_file(tmp, self.modes, os.O_RDWR)
             try:
-                os.pwrite(fd, self.header(file_no, uid), 0)
+                os.pwrite(fd, self.header(ref), 0)
                 os.fdatasync(fd)
             finally:
                 os.close(fd)
@@ -156,14 +142,14 @@ class PageFiles:
             raise PageIOError(e.errno, f"cannot remove {path}, which the index does not account for: {e.strerror}") from e
 
     @contextmanager
-    def _using(self, file_no: int) -> Iterator[_Open]:
+    def _using(self, ref: FileRef) -> Iterator[_Open]:
         """An open handle, held for the duration of one I/O."""
         with self._lock:
-            h = self._open.get(file_no)
+            h = self._open.get(ref.number)
             if h is not None:
                 h.users += 1
         if h is None:
-            h = self._handle(file_no)
+            h = self._handle(ref)
         try:
             yield h
         finally:
@@ -173,23 +159,18 @@ class PageFiles:
             if last:
                 h.close()
 
-    def _handle(self, file_no: int) -> _Open:
+    def _handle(self, ref: FileRef) -> _Open:
         """Open a file (counted as one user)."""
         with self._lock:
-            h = self._open.get(file_no)
+            h = self._open.get(ref.number)
             if h is not None:
                 h.users += 1
                 return h
             if self._closed:
-                raise PageIOError(errno.EBADF, f"page file {file_no} not opened: the store is closed")
-            rec = self._resolve(file_no)
-            if rec is None or rec.state == "l":
-                raise FileGone(errno.ENOENT, f"page file {file_no} is not in the index")
-            if rec.state != "r":
-                raise PageIOError(errno.EAGAIN, f"page file {file_no} is still being created")
-            if rec.dir_id not in self.dirs:
-                raise PageIOError(errno.ENOENT, f"page file {file_no} lives in directory {rec.dir_id}, which this process does not have")
-            path = self.path(file_no, rec.dir_id)
+                raise PageIOError(errno.EBADF, f"page file {ref.number} not opened: the store is closed")
+            if ref.dir_id not in self.dirs:
+                raise PageIOError(errno.ENOENT, f"page file {ref.number} lives in directory {ref.dir_id}, which this process does not have")
+            path = self.path(ref.number, ref.dir_id)
             try:
                 fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
             except FileNotFoundError as e:
@@ -199,7 +180,7 @@ class PageFiles:
             except OSError as e:
                 raise PageIOError(e.errno, f"cannot open page file {path}: {e.strerror}") from e
             try:
-                self._check_header(fd, path, file_no, rec.uid)
+                self._check_header(fd, path, ref)
                 dfd = -1
                 if self.o_direct:
                     try:
@@ -212,20 +193,20 @@ class PageFiles:
                 os.close(fd)
                 raise
             h.users = 1
-            self._open[file_no] = h
+            self._open[ref.number] = h
             return h
 
-    def _check_header(self, fd: int, path: str, file_no: int, uid: str) -> None:
+    def _check_header(self, fd: int, path: str, ref: FileRef) -> None:
         try:
             raw = os.pread(fd, HEADER_BYTES, 0)
         except OSError as e:
             raise PageIOError(e.errno, f"cannot read the header of {path}: {e.strerror}") from e
-        if raw != self.header(file_no, uid):
-            raise FileGone(errno.ESTALE, f"{path} is not page file {file_no} (uid {uid}) of store {self.geometry.store_id}")
+        if raw != self.header(ref):
+            raise FileGone(errno.ESTALE, f"{path} is not page file {ref.number} (uid {ref.uid}) of store {self.identity.get('store')}")
 
-    def ensure_open(self, file_no: int) -> None:
-        """Open a file now (raising FileGone if it is not the one the index names)."""
-        with self._using(file_no):
+    def ensure_open(self, ref: FileRef) -> None:
+        """Open a file now (raising FileGone if it is not the one the ref names)."""
+        with self._using(ref):
             pass
 
     def forget(self, file_no: int) -> None:
@@ -260,27 +241,26 @@ class PageFiles:
 
     # -- space -------------------------------------------------------------------------
 
-    def allocate(self, region: int) -> None:
-        """Give a region disk space (it was a hole)."""
-        with self._using(self.geometry.file_of(region)) as h:
+    def allocate(self, ref: FileRef, offset: int, nbytes: int) -> None:
+        """Give a range of a file disk space (it was a hole)."""
+        with self._using(ref) as h:
             try:
-                os.posix_fallocate(h.fd, self.geometry.region_offset(region), self.geometry.region_bytes)
+                os.posix_fallocate(h.fd, offset, nbytes)
             except OSError as e:
-                raise PageIOError(e.errno, f"cannot allocate region {region} in {h.path}: {e.strerror}") from e
+                raise PageIOError(e.errno, f"cannot allocate {nbytes} bytes at {offset} in {h.path}: {e.strerror}") from e
 
-    def punch(self, region: int) -> None:
-        """Return a region's disk space (it became a hole)."""
-        off, n = self.geometry.region_offset(region), self.geometry.region_bytes
-        with self._using(self.geometry.file_of(region)) as h:
-            if _libc.fallocate(h.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, off, n) != 0:
+    def punch(self, ref: FileRef, offset: int, nbytes: int) -> None:
+        """Return a range's disk space (it became a hole)."""
+        with self._using(ref) as h:
+            if _libc.fallocate(h.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, nbytes) != 0:
                 e = ctypes.get_errno()
-                raise PageIOError(e, f"cannot punch region {region} out of {h.path}: {os.strerror(e)}")
+                raise PageIOError(e, f"cannot punch {nbytes} bytes at {offset} out of {h.path}: {os.strerror(e)}")
 
     # -- I/O ---------------------------------------------------------------------------
 
-    def read(self, file_no: int, offset: int, bufs: Sequence[memoryview], nbytes: int, aligned: bool) -> None:
+    def read(self, ref: FileRef, offset: int, bufs: Sequence[memoryview], nbytes: int, aligned: bool) -> None:
         """Read ``nbytes`` at ``offset`` into ``bufs`` (adjacent slots) with one preadv."""
-        with self._using(file_no) as h:
+        with self._using(ref) as h:
             fd = h.dfd if aligned and h.dfd >= 0 else h.fd
             try:
                 n = os.preadv(fd, bufs, offset)
@@ -289,9 +269,9 @@ class PageFiles:
         if n != nbytes:
             raise FileGone(errno.ESTALE, f"short read at {offset} of {h.path} ({n} of {nbytes} bytes): the file was truncated")
 
-    def write(self, file_no: int, offset: int, bufs: Sequence[memoryview], nbytes: int, aligned: bool) -> None:
+    def write(self, ref: FileRef, offset: int, bufs: Sequence[memoryview], nbytes: int, aligned: bool) -> None:
         """Write ``bufs`` (``nbytes``, adjacent slots) at ``offset`` with one pwritev."""
-        with self._using(file_no) as h:
+        with self._using(ref) as h:
             fd = h.dfd if aligned and h.dfd >= 0 else h.fd
             try:
                 n = _pwritev_all(fd, bufs, offset, nbytes)
@@ -300,8 +280,8 @@ class PageFiles:
         if n != nbytes:
             raise PageIOError(errno.EIO, f"short write at {offset} of {h.path} ({n} of {nbytes} bytes)")
 
-    def sync(self, file_no: int) -> None:
-        with self._using(file_no) as h:
+    def sync(self, ref: FileRef) -> None:
+        with self._using(ref) as h:
             try:
                 os.fdatasync(h.fd)
             except OSError as e:

@@ -1,13 +1,13 @@
-"""Key names and record formats of the index: the one source for Python and Lua.
+"""Key names and value formats of the index: the one definition, for Python and for Lua.
 
-A store is ``(redis_prefix, store id)``; the id lives in the index and in a marker
-in each of the store's directories (:mod:`sglang_tierstore.home`). Its keys, with
+A store is ``(redis_prefix, store id)``; the id lives in the index and in a marker in
+each of the store's directories (:mod:`sglang_tierstore.space.attach`). Its keys, with
 ``T = <prefix>:<store id>``::
 
     {T}:meta          hash   geometry (format, region bytes, regions per file, shards), capacity
-    {T}:ns            hash   namespace id (hex) -> readable description (for check and operators)
+    {T}:ns            hash   namespace id (hex) -> NS value: page bytes and readable description
     {T}:dirs          hash   directory id -> JSON {path, host, seen}: who last saw each directory
-    {T:s}:conf        hash   shard s: store id, capacity and allocated regions, geometry, counters
+    {T:s}:conf        hash   shard s: CONF_FIELDS (store id, capacity, allocation, geometry, counters)
     {T:s}:entries     hash   entry field (namespace 8 B + key 24 B) -> ENTRY value
     {T:s}:regions     hash   region id -> REGION record
     {T:s}:members     hash   region id -> the entry field of each slot (FIELD_BYTES per slot)
@@ -17,13 +17,16 @@ in each of the store's directories (:mod:`sglang_tierstore.home`). Its keys, wit
     {T:s}:punch       zset   region id -> placement order (not allocated, disk space still to punch out)
     {T:s}:drain       zset   region id -> since (leaving: waits for its leased slots to come back)
     {T:s}:open        hash   page bytes -> the region now being filled for that page size
-    {T:s}:leases      hash   lease id -> "region:start:count,..." slots leased to one writer
+    {T:s}:leases      hash   lease id -> RANGES: the slots leased to one writer
     {T:s}:deadlines   zset   lease id -> expiry time
-    {T:s}:files       hash   file number -> "dir id|uid|state|since" (state: c creating, r ready, l lost)
+    {T:s}:files       hash   file number -> FILE record
 
-Every key a shard's scripts touch carries the shard's hash tag ``{T:s}``, and the
-scripts get them all in KEYS (``shard_keys``), so each script call runs on one
-Redis Cluster slot. Which shard a page belongs to: see :func:`shard_of`.
+Every key a shard's functions touch carries the shard's hash tag ``{T:s}``, and the
+functions get them all in KEYS (``shard_keys``), so each call runs on one Redis Cluster
+slot. Which shard a page belongs to: :func:`shard_of`.
+
+The Lua library reads and writes the same records: :func:`lua_prelude` generates its
+constants and its parsers/formatters from the definitions here.
 """
 
 from __future__ import annotations
@@ -32,41 +35,58 @@ import binascii
 import hashlib
 import re
 import struct
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import xxhash
 
-FORMAT = 3  # bump when any record below changes; older stores are dropped at attach
+FORMAT = 3  # bump when any stored record below changes; older stores are dropped at attach
 
 FIELD_BYTES = 32  # namespace id (8 bytes) + key (24 bytes)
 KEY_BYTES = 24
+NS_ID_BYTES = 8
 
 # An entry: where a committed page lives, the xxh3-64 of its bytes and a tag over the
-# entry field and all of that under the store's key (:mod:`sglang_tierstore.mac`). Lua
-# reads only the head; the writer sends the rest (checksum and tag, a Lua double could
+# entry field and all of that under the store's key (:mod:`sglang_tierstore.tags`). Lua
+# reads only the head; the writer sends the rest (checksum and tag: a Lua double could
 # not hold the checksum) as one TAIL_BYTES string per page.
 ENTRY = struct.Struct("<IIIQ16s")  # region, region generation, slot, checksum, tag
 ENTRY_HEAD = struct.Struct("<III")
-ENTRY_HEAD_LUA = "<I4I4I4"
 TAG_BYTES = 16
 SIGNED_BYTES = ENTRY.size - TAG_BYTES  # what the tag covers, after the entry field
 TAIL_BYTES = ENTRY.size - ENTRY_HEAD.size
 
 # A region record. state: HOLE (not allocated: no disk space once punched), FREE
 # (allocated, empty), USED (holds or is receiving pages of one size), DRAINING (leaving
-# the store while writers still hold some of its slots: no pages, no new leases). fill: slots handed out so far (append-only);
-# live: slots holding a committed page; leased: slots handed out and not yet
-# committed or given up. Slots below fill that are neither are dead until the
-# region is reclaimed as a whole.
+# the store while writers still hold some of its slots: no pages, no new leases).
+# fill: slots handed out so far (append-only); live: slots holding a committed page;
+# leased: slots handed out and not yet committed or given up. Slots below fill that are
+# neither are dead until the region is reclaimed as a whole.
 REGION_FIELDS = (("page_bytes", 4), ("gen", 4), ("fill", 4), ("live", 4), ("leased", 4), ("state", 1))
 REGION = struct.Struct("<" + "".join({4: "I", 1: "B"}[n] for _, n in REGION_FIELDS))
-REGION_LUA = "<" + "".join(f"I{n}" for _, n in REGION_FIELDS)
 HOLE, FREE, USED, DRAINING = 0, 1, 2, 3
+
+# A page file's record: "dir id|uid|state|since" (since: when its creation began).
+FILE_SEP = "|"
+CREATING, READY, LOST = "c", "r", "l"
+
+# A lease's slots: "region:start:count,region:start:count,..."
+RANGE_SEP, RANGES_SEP = ":", ","
+
+# A namespace's value in {T}:ns: "page_bytes=<n>;<description>"
+NS_PAGE_BYTES, NS_SEP = "page_bytes=", ";"
+
+# A shard's conf hash, as a new shard starts it (Lua reads these fields by name).
+CONF_FIELDS = ("store", "cap", "alloc", "rb", "rpf", "shards", "next_file", "uid", "creating")
+
+# What a commit says of each page, and the flags of a lease or commit reply.
+NOT_STORED, STORED, EXISTS = 0, 1, 2
+NEED_FILE, TOO_BIG = 1, 2
 
 SHARD_KEYS = ("conf", "entries", "regions", "members", "lru", "free", "holes", "open", "leases", "deadlines", "files",
               "punch", "drain")
 HEADER_BYTES = 4096  # a page file's header block; region 0 starts right after it
 ALIGN = 4096  # O_DIRECT alignment of buffers, offsets and slot sizes
+STALE = "TSSTALE"  # a function's error for a call against a store the shard no longer holds
 
 
 class Region(NamedTuple):
@@ -86,6 +106,23 @@ class Entry(NamedTuple):
     tag: bytes
 
 
+class FileRecord(NamedTuple):
+    """A page file as the index records it."""
+
+    dir_id: str
+    uid: str
+    state: str  # CREATING, READY or LOST
+    since: str
+
+
+class LeaseRange(NamedTuple):
+    """Consecutive slots of one region in a lease."""
+
+    region: int
+    start: int
+    count: int
+
+
 def round_up(n: int, to: int = ALIGN) -> int:
     return (n + to - 1) // to * to
 
@@ -97,6 +134,28 @@ def unpack_entry(raw: bytes) -> Entry:
 
 def unpack_region(raw: bytes) -> Region:
     return Region(*REGION.unpack(raw))
+
+
+def _text(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def parse_file_record(raw: Any) -> FileRecord:
+    return FileRecord(*_text(raw).split(FILE_SEP, 3))
+
+
+def parse_ranges(raw: Any) -> list[LeaseRange]:
+    return [LeaseRange(*(int(x) for x in part.split(RANGE_SEP))) for part in _text(raw).split(RANGES_SEP) if part]
+
+
+def ns_value(page_bytes: int, description: str) -> str:
+    return f"{NS_PAGE_BYTES}{page_bytes}{NS_SEP}{description}"
+
+
+def parse_ns_value(raw: Any) -> tuple[int, str]:
+    """(page bytes, description) of a namespace's value."""
+    head, _, desc = _text(raw).partition(NS_SEP)
+    return int(head.removeprefix(NS_PAGE_BYTES)), desc
 
 
 def key_bytes(key: str) -> bytes:
@@ -131,7 +190,7 @@ def entry_fields(ns_id: bytes, keys: Sequence[str]) -> list[bytes]:
 
 def shard_of(field: bytes, shards: int) -> int:
     """A page's shard: a hash of its entry field. A batch is split by shard and each
-    part is one script call (with one shard, the default, a batch is one call)."""
+    part is one function call (with one shard, the default, a batch is one call)."""
     return 0 if shards == 1 else xxhash.xxh3_64_intdigest(field) % shards
 
 
@@ -157,15 +216,77 @@ def meta_key(tag: str, name: str) -> str:
 
 
 def shard_keys(tag: str, shard: int) -> list[str]:
-    """Every key of one shard, in the order the scripts read them from KEYS."""
+    """Every key of one shard, in the order the functions read them from KEYS."""
     return [f"{{{tag}:{shard}}}:{name}" for name in SHARD_KEYS]
 
 
+def shard_key(tag: str, shard: int, name: str) -> str:
+    """One key of a shard by its name in ``SHARD_KEYS``."""
+    return f"{{{tag}:{shard}}}:{name}"
+
+
+def store_keys(tag: str, shards: int) -> list[str]:
+    """Every key of a store."""
+    keys = [meta_key(tag, n) for n in ("meta", "ns", "dirs")]
+    for s in range(shards):
+        keys += shard_keys(tag, s)
+    return keys
+
+
+def _lua_struct(fmt: str) -> str:
+    """A ``struct`` format string of Python's for Lua's struct library (sizes explicit)."""
+    sizes = {"I": 4, "B": 1, "Q": 8}
+    return fmt[0] + "".join(f"I{sizes[c]}" for c in fmt[1:])
+
+
+def _lua_literal(s: str) -> str:
+    return "'" + s.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _lua_pattern(s: str) -> str:
+    """``s`` as a Lua pattern matching it literally."""
+    return re.sub(r"([%^$().\[\]*+\-?])", r"%\1", s)
+
+
 def lua_prelude() -> str:
-    """Lua constants for the scripts, generated from the definitions above."""
+    """The Lua library's first lines: keys bound per call, record formats and constants,
+    generated from the definitions above."""
     names = ", ".join(f"K_{n.upper()}" for n in SHARD_KEYS)
-    return (
-        f"local {names} = unpack(KEYS, 1, {len(SHARD_KEYS)})\n"
-        f"local ENTRY_HEAD, REGION_FMT, FIELD, TAIL = '{ENTRY_HEAD_LUA}', '{REGION_LUA}', {FIELD_BYTES}, {TAIL_BYTES}\n"
-        f"local HOLE, FREE, USED, DRAINING, ALIGN = {HOLE}, {FREE}, {USED}, {DRAINING}, {ALIGN}\n"
-    )
+    fs, rs, ls = _lua_literal(FILE_SEP), _lua_literal(RANGE_SEP), _lua_literal(RANGES_SEP)
+    fp, rp = _lua_pattern(FILE_SEP), _lua_pattern(RANGE_SEP)
+    zero = "\\0" * FIELD_BYTES
+    return "\n".join([
+        "-- generated by sglang_tierstore.schema.lua_prelude: the index's formats",
+        f"local {names}",
+        f"local function bind_keys(keys) {names} = unpack(keys, 1, {len(SHARD_KEYS)}) end",
+        f"local ENTRY_HEAD, ENTRY_HEAD_BYTES = '{_lua_struct(ENTRY_HEAD.format)}', {ENTRY_HEAD.size}",
+        f"local REGION_FMT = '<{''.join(f'I{n}' for _, n in REGION_FIELDS)}'",
+        f"local FIELD, TAIL, ALIGN = {FIELD_BYTES}, {TAIL_BYTES}, {ALIGN}",
+        f"local ZERO = '{zero}'  -- the member field of a slot holding no page",
+        f"local HOLE, FREE, USED, DRAINING = {HOLE}, {FREE}, {USED}, {DRAINING}",
+        f"local NOT_STORED, STORED, EXISTS = {NOT_STORED}, {STORED}, {EXISTS}",
+        f"local NEED_FILE, TOO_BIG = {NEED_FILE}, {TOO_BIG}",
+        f"local STALE = '{STALE}'",
+        f"local CREATING, READY, LOST = '{CREATING}', '{READY}', '{LOST}'",
+        "-- a page file's record",
+        "local function parse_file(v)",
+        "  if not v then return nil end",
+        f"  local dir, uid, state, since = string.match(v, '^([^{fp}]*){fp}([^{fp}]*){fp}(%a){fp}(.*)$')",
+        "  return {dir = dir, uid = uid, state = state, since = since}",
+        "end",
+        f"local function file_value(rec) return table.concat({{rec.dir, rec.uid, rec.state, rec.since}}, {fs}) end",
+        "-- a lease's slots: a list of {region, start, count}",
+        "local function parse_ranges(s)",
+        "  local out = {}",
+        "  if s then",
+        f"    for r, a, c in string.gmatch(s, '(%d+){rp}(%d+){rp}(%d+)') do out[#out + 1] = {{tonumber(r), tonumber(a), tonumber(c)}} end",
+        "  end",
+        "  return out",
+        "end",
+        "local function format_ranges(t)",
+        "  local parts = {}",
+        f"  for _, x in ipairs(t) do if x[3] > 0 then parts[#parts + 1] = x[1] .. {rs} .. x[2] .. {rs} .. x[3] end end",
+        f"  return table.concat(parts, {ls})",
+        "end",
+        "",
+    ])

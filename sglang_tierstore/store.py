@@ -1,40 +1,10 @@
-"""The store: keys to verified page bytes, over the index, the allocator and page files.
+"""The store: page keys to verified page bytes. Knows nothing of SGLang and needs no
+torch (its tests run over plain byte buffers).
 
-Owns namespaces, the read and write protocols and verification; knows nothing of
-SGLang and needs no torch (its tests run over plain byte buffers).
-
-- probe: one HMGET per shard, in one round trip.
-- read: the same HMGET, then the leading run of present pages is read straight into
-  the caller's buffers, pages in adjacent slots coalesced into one ``preadv``, runs
-  spread over the I/O threads. A page is a hit only if its entry's tag is valid for
-  its key (:mod:`sglang_tierstore.mac`: an entry forged or moved in Redis is dropped
-  unread) and its bytes hash to the committed checksum (hashed by the caller's thread
-  as runs arrive). The probe does not check tags: a forged entry costs a miss at the
-  read, never a wrong page. A mismatch drops
-  the entry (conditionally: only if it still holds what was read) once our file
-  handle is shown to be the file the index names; any other failure (EMFILE, EIO, a
-  bug...) is a miss that keeps the entry. With ``read_timeout_s`` the wait for the
-  disk is bounded: runs are read into the I/O threads' own staging memory and copied
-  into the caller's buffers while the caller still waits; runs not read in time are
-  misses (entries kept), and a preadv that returns after that lands in staging memory,
-  never in host memory SGLang may have reused (``_read_staged``).
-- write: slots come from this thread's stock (leased, consecutive for one batch);
-  pages are written in coalesced runs while the caller's thread hashes them; then one
-  COMMIT call per shard (one pipelined round trip) publishes them, gives up the slots
-  that failed and refills the stock. Only a write that finds its stock short costs a
-  second call first. A crash before COMMIT leaves leased slots, reclaimed when the
-  lease expires; nothing is visible. A write has no deadline: on a disk that stops
-  answering it waits (a pwritev cannot be called back, and giving its slots back
-  while it may still land would let it overwrite a later page). Nothing is committed
-  before its pwritev returned, so no entry names a slot still being written. A stall
-  longer than ``lease_s`` while housekeeping cannot renew the lease (it may be stuck
-  on the same disk) expires the lease: its slots stay dead (never handed to another
-  writer), the batch's COMMIT stores nothing, and only once their region has been
-  reclaimed and refilled could the late pwritev overwrite another page, which then
-  fails its checksum: a miss, never a wrong byte.
-
-Index trouble raises :class:`IndexUnavailable`; per-page trouble is a miss or a
-failed write, counted and logged here.
+It owns namespaces, the page protocol and verification; where bytes may go is the space
+layer's (:mod:`sglang_tierstore.space`), moving them the I/O engine's and the page
+files'. A read descends store -> index (one HMGET) -> I/O engine -> page files; a write
+store -> space.reserve -> I/O engine -> page files -> space commit -> index.
 """
 
 from __future__ import annotations
@@ -42,44 +12,42 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
-import threading
 import time as mod_time
-from dataclasses import dataclass, field
-from typing import Callable, Generator, Mapping, Optional, Sequence
+from dataclasses import dataclass
+from typing import Callable, Generator, Mapping, NamedTuple, Optional, Sequence, Type
 
 import xxhash
 
-from sglang_tierstore import home
-from sglang_tierstore.allocator import EXISTS, STORED, Allocator, CommitResult, Slot, slots_per_region
-from sglang_tierstore.check import check as check_store
 from sglang_tierstore.config import TierStoreConfig
-from sglang_tierstore.errors import FileGone, IndexUnavailable, PageIOError, StoreClosed, StoreDetached, TierStoreError
+from sglang_tierstore.errors import IndexUnavailable, StoreDetached, TierStoreError
 from sglang_tierstore.index import RedisIndex
 from sglang_tierstore.io_engine import Gate, IOEngine
-from sglang_tierstore.mac import EntryTags
 from sglang_tierstore.metrics import Metrics, RateLimitedLog
-from sglang_tierstore.pagefile import FileRecord, PageFiles, checksum
-from sglang_tierstore.private import modes, redis_password, redis_tls
+from sglang_tierstore.pagefile import FileRef, PageFiles, checksum
+from sglang_tierstore.perms import modes, redis_password, redis_tls
 from sglang_tierstore.schema import (
     ENTRY,
     ENTRY_HEAD,
-    USED,
+    EXISTS,
+    STORED,
     Entry,
-    entry_field,
     entry_fields,
     glob_escape,
     meta_key,
+    ns_value,
+    parse_ns_value,
     round_up,
-    shard_of,
     unpack_entry,
-    unpack_region,
 )
+from sglang_tierstore.space import Attachment, Space, by_shard
+from sglang_tierstore.space.geometry import slots_per_region
+from sglang_tierstore.space.leases import Slot
 
 logger = logging.getLogger(__name__)
 
 Regions = Sequence[memoryview]
 IOV_MAX = 1024  # iovecs in one preadv/pwritev
-MAX_RUN_BYTES = 1 << 20  # one coalesced I/O at most (larger ones were slower on this VM: README, Performance),
+MAX_RUN_BYTES = 1 << 20  # one coalesced I/O at most (larger ones were slower on this VM: docs/performance.md),
 # and the most one write moves: a larger page is written in pieces, so a read waits for at most one of those per thread
 
 
@@ -93,18 +61,21 @@ class Namespace:
     description: str
 
 
+class Page(NamedTuple):
+    """One page of a batch on its way to or from disk."""
+
+    pos: int  # position in the batch
+    file: FileRef
+    offset: int  # byte offset in the file
+
+
+Run = list[Page]  # pages in adjacent slots of one file: one preadv/pwritev
+
+
 def fingerprint(fields: Mapping[str, object]) -> tuple[bytes, str]:
     """(8-byte id, readable description) of everything that makes pages compatible."""
     desc = ",".join(f"{k}={fields[k]}" for k in sorted(fields))
     return xxhash.xxh3_64_digest(desc.encode()), desc
-
-
-def _by_shard(fields: Sequence[bytes], shards: int) -> dict[int, list[int]]:
-    """Positions of ``fields`` by the shard each belongs to."""
-    parts: dict[int, list[int]] = {}
-    for i, f in enumerate(fields):
-        parts.setdefault(shard_of(f, shards), []).append(i)
-    return parts
 
 
 def _scatter(buf: memoryview, dests: Sequence[Regions]) -> None:
@@ -117,9 +88,11 @@ def _scatter(buf: memoryview, dests: Sequence[Regions]) -> None:
 
 
 def _pieces(bufs: Sequence[memoryview], limit: int) -> list[tuple[int, list[memoryview]]]:
-    """``bufs`` (adjacent bytes) cut into pieces of at most ``limit`` bytes: (byte
+    """``bufs`` (adjacent bytes) cut into pieces of at most ``limit`` bytes (> 0): (byte
     offset, buffers) of each. ``limit`` is a multiple of the O_DIRECT alignment, so
     pieces of aligned buffers are aligned too."""
+    if limit <= 0:
+        raise ValueError(f"pieces need a positive size limit, got {limit}")
     out: list[tuple[int, list[memoryview]]] = []
     piece: list[memoryview] = []
     start = size = 0
@@ -150,48 +123,38 @@ def open_index(cfg: TierStoreConfig, redis_url: str, clock: Callable[[], float] 
     return RedisIndex(redis_url, cfg.redis_timeout_s, cfg.redis_retry_s, clock, password, tls)
 
 
-@dataclass
-class _Attached:
-    """One attachment to a store: what every operation works against."""
-
-    att: home.Attachment
-    alloc: Allocator
-    files: PageFiles
-    tags: EntryTags
-    records: dict[int, FileRecord] = field(default_factory=dict)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-
-_Page = tuple[int, int, int]  # (position in the batch, file number, byte offset)
-
-
 class TierStore:
-    """Verified page store over one Redis index and one set of page directories."""
+    """Verified page store over one Redis index and one set of page directories.
+
+    Pages live in namespaces (:meth:`namespace`): pages of one namespace are
+    byte-compatible and of one size. Every batch call takes page buffers as lists of
+    ``memoryview`` regions per page (a host pool's page may be several blocks) and moves
+    bytes straight between them and the page files. Guarantees: a read never fills a
+    buffer with bytes other than those written for its key (anything else is a miss);
+    a failing disk or index costs misses and failed writes, never an exception from a
+    page's trouble; index trouble as such raises :class:`IndexUnavailable`, bad input
+    ``ValueError``. Use as a context manager, or call :meth:`close`.
+    """
 
     def __init__(self, cfg: TierStoreConfig, redis_url: str, clock: Callable[[], float] = mod_time.time,
-                 startup: bool = True, metrics: Optional[Metrics] = None) -> None:
-        """``startup``: this process owns the store's settings, so its first attach may
-        re-format the store for ``cfg.capacity_gb`` and records that capacity (a server).
-        False: join the store as it is (an operator's tool, whose config may differ).
-        ``metrics``: the caller's (labelled by rank), else the store's own."""
+                 startup: bool = True, metrics: Optional[Metrics] = None, page_files: Type[PageFiles] = PageFiles) -> None:
+        """``startup``: this process owns the store's settings (a server; see :class:`Space`).
+        ``metrics``: the caller's (labelled by rank), else the store's own.
+        ``page_files``: the class that moves bytes (tests inject one that fails or waits).
+        Housekeeping runs once :meth:`start_housekeeping` is called; until then, passes
+        are the caller's (``store.space.housekeeping.run_once()``)."""
         self.cfg = cfg
-        self.modes = modes(cfg.file_access)
         self.clock = clock
         self.index = open_index(cfg, redis_url, clock)
         self.io = IOEngine(cfg.io_threads)
         self.metrics = metrics if metrics is not None else Metrics()
         self.log = RateLimitedLog(logger, cfg.log_interval_s)
-        self._token = secrets.token_hex(6)
-        self._att: Optional[_Attached] = None
-        self._att_lock = threading.Lock()
-        self._started = not startup
-        self._closed = False
-        self._touch: dict[int, dict[int, float]] = {}
-        self._lost: dict[int, str] = {}  # file number -> uid: to be forgotten by housekeeping
+        self.space = Space(cfg, self.index, modes(cfg.file_access), secrets.token_hex(6), self.metrics, self.log, clock,
+                           startup, page_files)
         self._namespaces: dict[str, Namespace] = {}
-        self._lock = threading.Lock()
+        self.space.on_attach(self._register_all)
         try:
-            self.attached()
+            self.space.attached()
         except IndexUnavailable as e:
             self.log.warning("attach", "index unavailable at start (%s): answering misses until it is back", e)
         except BaseException:  # a store that cannot start holds no threads or connections
@@ -199,96 +162,56 @@ class TierStore:
             self.index.close()
             raise
 
-    # -- attachment ----------------------------------------------------------------
+    def start_housekeeping(self, on_index_down: Optional[Callable[[], None]] = None) -> None:
+        """Run the space's housekeeping every ``housekeeping_s`` in a daemon thread
+        (stopped by :meth:`close`); ``on_index_down`` is called when a pass finds the
+        index unreachable."""
+        self.space.housekeeping.start(on_index_down)
+    def __enter__(self) -> "TierStore":
+        return self
 
-    def attached(self) -> _Attached:
-        """The store this process works on, attaching first if needed."""
-        a = self._att
-        if a is not None:
-            return a
-        with self._att_lock:
-            if self._closed:
-                raise StoreClosed("the store is closed")
-            if self._att is None:
-                cfg = self.cfg
-                att = home.attach(self.index, cfg.redis_prefix, cfg.path, cfg.capacity_bytes, cfg.index_shards,
-                                  startup=not self._started, now=self.clock(), access=self.modes)
-                self._started = True
-                alloc = Allocator(self.index, att.tag, att.geometry, list(att.dirs), cfg.lease_s, self._token, self.clock)
-                files = PageFiles(cfg.redis_prefix, att.geometry, att.dirs, self.record, cfg.o_direct,
-                                  cfg.fsync == "commit", self.modes)
-                self._att = _Attached(att, alloc, files, EntryTags(att.entry_key))
-                for ns in list(self._namespaces.values()):
-                    self._register_ns(ns)
-            return self._att
-
-    def detach(self, e: StoreDetached, a: Optional[_Attached] = None) -> None:
-        """Our store is gone from the index: drop the attachment (``a``, or whatever
-        is current); the next call attaches again."""
-        with self._att_lock:
-            if self._att is not None and (a is None or self._att is a):
-                a = self._att
-                self._att = None
-                a.files.close()
-        self.metrics.error("store_detached")
-        self.log.warning("detached", "%s; attaching again", e)
-
-    def record(self, file_no: int) -> Optional[FileRecord]:
-        """The index's record of a page file (cached; refreshed when unknown)."""
-        a = self._att
-        if a is None:
-            return None
-        rec = a.records.get(file_no)
-        if rec is None or rec.state == "c":  # unknown here, or ready by now
-            shard = a.att.geometry.shard_of_file(file_no)
-            fresh = {f: FileRecord(*v) for f, v in a.alloc.files(shard).items()}
-            with a.lock:
-                a.records.update(fresh)
-            rec = fresh.get(file_no)
-        return rec
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -- namespaces ---------------------------------------------------------------
 
     def namespace(self, fields: Mapping[str, object], page_bytes: int) -> Namespace:
+        """The namespace of pages with these compatibility ``fields`` (model, dtype,
+        layout, ranks...) and size; recorded in the index for operators. ValueError for a
+        size that is not positive."""
         if page_bytes <= 0:
             raise ValueError(f"page_bytes must be positive, got {page_bytes}")
         ns_id, desc = fingerprint({**fields, "page_bytes": page_bytes, "namespace": self.cfg.namespace})
         ns = Namespace(ns_id.hex(), ns_id, page_bytes, desc)
-        with self._lock:
-            self._namespaces[ns.ns] = ns
+        self._namespaces[ns.ns] = ns
         try:
-            self._register_ns(ns)
+            self._register(self.space.attached(), [ns])
         except TierStoreError:
             pass  # registered again on the next attach
         return ns
 
-    def _register_ns(self, ns: Namespace) -> None:
-        a = self._att
-        if a is not None:
-            self.index.hset(meta_key(a.att.tag, "ns"), {ns.ns: f"page_bytes={ns.page_bytes};{ns.description}"})
+    def _register_all(self, a: Attachment) -> None:
+        self._register(a, list(self._namespaces.values()))
 
-    def namespaces(self) -> dict[str, int]:
-        """Every namespace the store has seen: id -> page bytes."""
-        return {ns: pb for ns, (pb, _) in self.namespace_descriptions().items()}
+    def _register(self, a: Attachment, namespaces: Sequence[Namespace]) -> None:
+        if namespaces:
+            self.index.hset(meta_key(a.tag, "ns"), {ns.ns: ns_value(ns.page_bytes, ns.description) for ns in namespaces})
 
-    def namespace_descriptions(self) -> dict[str, tuple[int, str]]:
+    def namespaces(self) -> dict[str, tuple[int, str]]:
         """Every namespace the store has seen: id -> (page bytes, the fingerprint's description)."""
-        a = self.attached()
-        out = {}
-        for k, v in self.index.hgetall(meta_key(a.att.tag, "ns")).items():
-            head, _, desc = v.decode().partition(";")
-            out[k.decode()] = (int(head.split("=")[1]), desc)
-        return out
+        a = self.space.attached()
+        return {k.decode(): parse_ns_value(v) for k, v in self.index.hgetall(meta_key(a.tag, "ns")).items()}
 
     # -- probe --------------------------------------------------------------------
 
-    def _lookup(self, a: _Attached, fields: Sequence[bytes]) -> list[Optional[bytes]]:
-        """Entry values of fields (any shards), one round trip."""
-        shards = a.att.geometry.shards
+    def lookup(self, a: Attachment, fields: Sequence[bytes]) -> list[Optional[bytes]]:
+        """Entry values of fields (any shards) in the store ``a`` is attached to: one round
+        trip (one HMGET per shard)."""
+        shards = a.geometry.shards
         if shards == 1:
-            return self.index.hmget([(a.alloc.key(0, "entries"), fields)])[0]
-        parts = _by_shard(fields, shards)
-        got = self.index.hmget([(a.alloc.key(s, "entries"), [fields[i] for i in idx]) for s, idx in parts.items()])
+            return self.index.hmget([(a.key(0, "entries"), fields)])[0]
+        parts = by_shard(fields, shards)
+        got = self.index.hmget([(a.key(s, "entries"), [fields[i] for i in idx]) for s, idx in parts.items()])
         out: list[Optional[bytes]] = [None] * len(fields)
         for idx, vals in zip(parts.values(), got):
             for i, v in zip(idx, vals):
@@ -296,10 +219,12 @@ class TierStore:
         return out
 
     def exists(self, groups: Sequence[tuple[Namespace, Sequence[str]]]) -> list[list[bool]]:
-        """Presence of each key of each (namespace, keys) group, in one round trip."""
-        a = self.attached()
+        """Whether each key of each (namespace, keys) group has a committed page: one
+        round trip (one HMGET per shard) for every group. A forged entry shows here as
+        present and costs a miss at the read, never a wrong page."""
+        a = self.space.attached()
         fields = [f for ns, keys in groups for f in entry_fields(ns.ns_id, keys)]
-        found = self._lookup(a, fields)
+        found = self.lookup(a, fields)
         out, i = [], 0
         for _, keys in groups:
             out.append([v is not None for v in found[i : i + len(keys)]])
@@ -308,19 +233,19 @@ class TierStore:
 
     # -- runs ---------------------------------------------------------------------
 
-    def _runs(self, pages: list[_Page], page_bytes: int, iov_per_page: int) -> list[list[_Page]]:
+    def _runs(self, pages: list[Page], page_bytes: int, iov_per_page: int) -> list[Run]:
         """Pages in adjacent slots of one file, as runs for one preadv/pwritev each,
         cut so that a batch spreads over the I/O threads."""
-        pages.sort(key=lambda p: (p[1], p[2]))
+        pages.sort(key=lambda p: (p.file.number, p.offset))
         slot = round_up(page_bytes)
         coalesce = slot == page_bytes
         total = len(pages) * page_bytes
         target = max(page_bytes, min(MAX_RUN_BYTES, total // self.io.threads))
         longest = max(1, min(IOV_MAX // max(1, iov_per_page), target // page_bytes)) if coalesce else 1
-        runs: list[list[_Page]] = []
+        runs: list[Run] = []
         for p in pages:
             last = runs[-1] if runs else None
-            if last is not None and len(last) < longest and last[-1][1] == p[1] and last[-1][2] + slot == p[2]:
+            if last is not None and len(last) < longest and last[-1].file == p.file and last[-1].offset + slot == p.offset:
                 last.append(p)
             else:
                 runs.append([p])
@@ -329,18 +254,26 @@ class TierStore:
     # -- read ---------------------------------------------------------------------
 
     def read(self, ns: Namespace, keys: Sequence[str], dests: Sequence[Regions], aligned: bool) -> list[bool]:
-        """Read the leading run of present keys into ``dests``; True per verified page."""
+        """Read the leading run of keys present into ``dests`` (one buffer, as regions,
+        per key; ``aligned``: every region is 4 KiB aligned, so O_DIRECT may be used).
+
+        True per page whose bytes verified (its entry's tag, then its checksum); a
+        buffer whose page is a miss may have been written to. An entry that fails
+        verification is dropped, once the file read is shown to be the one the index
+        names. Costs one HMGET round trip, then the runs of adjacent slots in parallel
+        preadvs straight into ``dests``; with ``read_timeout_s``, runs go through the I/O
+        threads' staging memory and those not read in time are misses. Returns only once
+        no preadv of this call can land in ``dests`` any more."""
         self._check_sizes(ns, keys, dests)
         t0 = mod_time.perf_counter()
-        a = self.attached()
-        g = a.att.geometry
+        a = self.space.attached()
+        g = a.geometry
         fields = entry_fields(ns.ns_id, keys)
-        raws = self._lookup(a, fields)
+        raws = self.lookup(a, fields)
         lead = next((i for i, v in enumerate(raws) if v is None), len(raws))
         results = [False] * len(keys)
         entries: dict[int, Entry] = {}
         bad: list[tuple[bytes, bytes]] = []
-        pages: list[_Page] = []
         per_region = slots_per_region(g.region_bytes, ns.page_bytes)
         for i in range(lead):
             raw = raws[i]
@@ -357,7 +290,9 @@ class TierStore:
                                  "the index by someone else, or the store's entry key changed): dropped", fields[i].hex())
                 continue
             entries[i] = e
-            pages.append((i, g.file_of(e.region), g.slot_offset(e.region, e.slot, ns.page_bytes)))
+        refs = a.files.refs({g.file_of(e.region) for e in entries.values()})
+        pages = [Page(i, refs[g.file_of(e.region)], g.slot_offset(e.region, e.slot, ns.page_bytes))
+                 for i, e in entries.items() if g.file_of(e.region) in refs]
         runs = self._runs(pages, ns.page_bytes, len(dests[0]) if dests else 1)
         read_runs = self._read_staged if self.cfg.read_timeout_s else self._read_direct
         # closed however this loop ends: before read returns or raises, a direct read waits for
@@ -366,40 +301,41 @@ class TierStore:
             for k, o in arriving:
                 run = runs[k]
                 if isinstance(o, BaseException):
-                    self._io_failure(a, "io_read", run[0][1], o)
+                    a.files.failure("io_read", run[0].file.number, o)
                     continue
-                for i, f, _ in run:
-                    if checksum(dests[i]) == entries[i].checksum:
-                        results[i] = True
-                    elif self._file_current(a, f):
-                        raw = raws[i]
+                for p in run:
+                    if checksum(dests[p.pos]) == entries[p.pos].checksum:
+                        results[p.pos] = True
+                    elif a.files.current(p.file.number):
+                        raw = raws[p.pos]
                         assert raw is not None
-                        bad.append((fields[i], raw))
+                        bad.append((fields[p.pos], raw))
                         self.metrics.error("corrupt")
-                        self.log.warning("corrupt", "page %s failed verification (stale, torn or rotten slot): dropped", fields[i].hex())
+                        self.log.warning("corrupt", "page %s failed verification (stale, torn or rotten slot): dropped",
+                                         fields[p.pos].hex())
         hits = sum(results)
         self.metrics.pages("read", "hit", hits)
         self.metrics.pages("read", "miss", len(keys) - hits)
         self.metrics.bytes("read", hits * ns.page_bytes)
-        self._queue_touch(a, [entries[i].region for i in range(lead) if results[i]])
+        a.touch(entries[i].region for i in range(lead) if results[i])
         if bad:
             self._drop(a, bad)
         self.metrics.observe("read", mod_time.perf_counter() - t0)
         return results
 
-    def _read_direct(self, a: _Attached, runs: list[list[_Page]], dests: Sequence[Regions], page_bytes: int,
+    def _read_direct(self, a: Attachment, runs: list[Run], dests: Sequence[Regions], page_bytes: int,
                      aligned: bool) -> Generator[tuple[int, object], None, None]:
         """(run position, outcome) of each run, read straight into ``dests``, as runs
         arrive; waits for every run (``read_timeout_s`` 0), and when closed early, for
         the runs in flight, starting no more: none lands in ``dests`` after ``read``."""
-        def read_run(run: list[_Page]) -> None:
-            bufs = [m for p in run for m in dests[p[0]]]
-            a.files.read(run[0][1], run[0][2], bufs, len(run) * page_bytes, aligned)
+        def read_run(run: Run) -> None:
+            bufs = [m for p in run for m in dests[p.pos]]
+            a.pages.read(run[0].file, run[0].offset, bufs, len(run) * page_bytes, aligned)
 
         with self.io.submit(read_run, runs, _run_bytes(runs, page_bytes)) as batch:
             yield from batch.as_completed()
 
-    def _read_staged(self, a: _Attached, runs: list[list[_Page]], dests: Sequence[Regions], page_bytes: int,
+    def _read_staged(self, a: Attachment, runs: list[Run], dests: Sequence[Regions], page_bytes: int,
                      aligned: bool) -> Generator[tuple[int, object], None, None]:
         """Like :meth:`_read_direct`, but yields only runs done within ``read_timeout_s``.
 
@@ -412,14 +348,14 @@ class TierStore:
         timeout = self.cfg.read_timeout_s
         gate = Gate()
 
-        def read_run(run: list[_Page]) -> None:
+        def read_run(run: Run) -> None:
             n = len(run) * page_bytes
             buf = self.io.staging.buffer(n)
-            a.files.read(run[0][1], run[0][2], [buf], n, aligned)
+            a.pages.read(run[0].file, run[0].offset, [buf], n, aligned)
             if not gate.enter():
                 return  # given up: the bytes stay in this thread's staging buffer
             try:
-                _scatter(buf, [dests[p[0]] for p in run])
+                _scatter(buf, [dests[p.pos] for p in run])
             finally:
                 gate.leave()
 
@@ -438,49 +374,12 @@ class TierStore:
             self.log.warning("io_read_timeout", "%d page(s) not read within read_timeout_s=%g s (a stalled disk, I/O "
                              "threads still stuck on one, or a queue of other batches' I/O ahead): misses, kept", late, timeout)
 
-    def _file_current(self, a: _Attached, file_no: int) -> bool:
-        """Is our handle on this file the file the index names? (If not, what we read
-        proves nothing about the page.)"""
-        try:
-            a.files.still_there(file_no)
-            return True
-        except FileGone as e:
-            self._file_gone(a, file_no, e)
-        except PageIOError:
-            pass
-        return False
-
-    def _io_failure(self, a: _Attached, kind: str, file_no: int, e: BaseException) -> None:
-        if isinstance(e, FileGone):
-            self._file_gone(a, file_no, e)
-        elif isinstance(e, (PageIOError, IndexUnavailable)):
-            self.metrics.error(kind)
-            self.log.warning(kind, "%s: %s", kind, e)
-        else:
-            self.metrics.error("internal")
-            self.log.exception(f"internal:{kind}", "unexpected error in %s (the page is a miss and is kept)", kind, exc=e)
-
-    def _file_gone(self, a: _Attached, file_no: int, e: BaseException) -> None:
-        a.files.forget(file_no)
-        a.alloc.invalidate_stocks()
-        rec = a.records.get(file_no)
-        self.metrics.error("file_gone")
-        self.log.warning("file_gone", "%s: its pages are dropped", e)
-        if rec is not None:
-            with self._lock:
-                self._lost[file_no] = rec.uid
-
-    def _drop_now(self, a: _Attached, entries: Sequence[tuple[bytes, bytes]]) -> int:
-        """Drop (entry field, value seen or b'') pairs, one DROP call per shard."""
-        parts = _by_shard([f for f, _ in entries], a.att.geometry.shards)
-        return sum(a.alloc.drop(s, [entries[i] for i in idx]) for s, idx in parts.items())
-
-    def _drop(self, a: _Attached, entries: Sequence[tuple[bytes, bytes]]) -> int:
+    def _drop(self, a: Attachment, entries: Sequence[tuple[bytes, bytes]]) -> int:
         """Drop pages a read found bad; index trouble only postpones it."""
         try:
-            return self._drop_now(a, entries)
+            return a.drop(entries)
         except StoreDetached as e:
-            self.detach(e, a)
+            self.space.detach(e, a)
         except IndexUnavailable as e:  # the pages were misses all the same; the next read drops them
             self.log.warning("index", "dropping %d bad page(s) failed: %s", len(entries), e)
         return 0
@@ -488,285 +387,80 @@ class TierStore:
     # -- write --------------------------------------------------------------------
 
     def write(self, ns: Namespace, keys: Sequence[str], srcs: Sequence[Regions], aligned: bool) -> list[bool]:
-        """Store each page; True per page now stored (by this call or earlier)."""
+        """Store each page (``srcs``: one buffer, as regions, per key); True per page now
+        stored, by this call or earlier (a key keeps the bytes first stored for it).
+
+        Costs one ``commit`` round trip once this thread holds a stock of leased slots
+        (a second call first when it does not), and the pages' pwritevs in parallel,
+        coalesced over adjacent slots, while this thread hashes them. Nothing is
+        published before its pwritev returned, and a write has no deadline: on a disk
+        that stops answering it waits (a pwritev cannot be called back, and giving its
+        slots back while it may still land would let it overwrite a later page). A
+        writer stalled past ``lease_s`` loses its lease: its slots stay dead and its
+        commit stores nothing. Index trouble raises :class:`IndexUnavailable` (the
+        pages are not stored)."""
         self._check_sizes(ns, keys, srcs)
         if not keys:
             return []
         t0 = mod_time.perf_counter()
-        a = self.attached()
+        a = self.space.attached()
         try:
-            with a.alloc.writing():
-                results = self._write(a, ns, keys, srcs, aligned)
+            results = self._write(a, ns, keys, srcs, aligned)
         except StoreDetached as e:
-            self.detach(e, a)
+            self.space.detach(e, a)
             results = [False] * len(keys)
         self.metrics.pages("write", "failed", len(keys) - sum(results))
         self.metrics.observe("write", mod_time.perf_counter() - t0)
         return results
 
-    def _stock_target(self, a: _Attached, shard: int, page_bytes: int, n: int) -> int:
-        """Slots to keep in stock after a batch of ``n``: the same again, but never more
-        than 1/16 of the shard's capacity (a stock holds space while it waits)."""
-        g = a.att.geometry
-        regions = a.alloc.capacity_regions[shard] or g.capacity_share(self.cfg.capacity_bytes, shard)
-        return max(1, min(n, regions * g.region_bytes // 16 // round_up(page_bytes)))
-
-    def _write(self, a: _Attached, ns: Namespace, keys: Sequence[str], srcs: Sequence[Regions], aligned: bool) -> list[bool]:
-        g, alloc = a.att.geometry, a.alloc
-        pb = ns.page_bytes
-        fields = entry_fields(ns.ns_id, keys)
-        parts = _by_shard(fields, g.shards)
-        self._fill_stock(a, pb, {s: len(idx) for s, idx in parts.items()})
-        slots: dict[int, Slot] = {}
-        for s, idx in parts.items():
-            slots.update(zip(idx, alloc.take(s, pb, len(idx))))
-        pages = [(i, g.file_of(r), g.slot_offset(r, sl, pb)) for i, (r, sl, _) in slots.items()]
-        runs = self._runs(pages, pb, len(srcs[0]))
-        units = [(run, off, piece) for run in runs
-                 for off, piece in _pieces([m for p in run for m in srcs[p[0]]], MAX_RUN_BYTES)]
-
-        def write_unit(unit: tuple[list[_Page], int, list[memoryview]]) -> None:
-            run, off, piece = unit
-            a.files.write(run[0][1], run[0][2] + off, piece, sum(map(len, piece)), aligned)
-
-        with self.io.submit(write_unit, units, len(pages) * pb // max(1, len(units)), write=True) as batch:
-            tails = {i: self._tail(a, fields[i], slots[i], checksum(srcs[i])) for i in slots}  # while the pages are being written
-            outcomes = batch.results()
-        failed: set[int] = set()
-        touched: set[int] = set()
-        for (run, _, _), o in zip(units, outcomes):
-            if isinstance(o, BaseException):
-                if run[0][0] not in failed:  # once per run, however many of its pieces failed
-                    self._io_failure(a, "io_write", run[0][1], o)
-                failed.update(p[0] for p in run)
-            else:
-                touched.add(run[0][1])
-        for file_no in touched:  # a file deleted or replaced under us must not take commits
-            try:
-                a.files.still_there(file_no)
-                if self.cfg.fsync == "commit":
-                    a.files.sync(file_no)
-            except PageIOError as e:
-                self._io_failure(a, "io_write", file_no, e)
-                failed.update(p[0] for run in runs if run[0][1] == file_no for p in run)
-        calls: list[tuple[int, list[int], list[tuple[Slot, bytes, bytes]], list[tuple[int, int]], list[tuple[int, int, bool]]]] = []
-        for s, idx in parts.items():
-            done = sorted((i for i in idx if i in slots and i not in failed), key=slots.__getitem__)  # runs of slots
-            commits = [(slots[i], fields[i], tails[i]) for i in done]
-            give_up = sorted((slots[i].region, slots[i].slot) for i in idx if i in failed)
-            calls.append((s, done, commits, give_up, [(pb, self._stock_target(a, s, pb, len(idx)), False)]))
-        try:
-            outs = alloc.commit_many([(s, c, gu, rf) for s, _, c, gu, rf in calls])
-        except IndexUnavailable:
-            for s in parts:
-                alloc.forget_stock(s)  # the next COMMIT returns the lease as Redis has it
-            raise
-        results = [False] * len(keys)
-        status: list[int] = []
-        for (s, done, _, _, _), res in zip(calls, outs):
-            for i, st in zip(done, res.status):
-                results[i] = st in (STORED, EXISTS)
-            status += res.status
-            self._after_commit(a, s, res)
-        full = len(keys) - len(slots)
-        self.metrics.pages("write", "stored", status.count(STORED))
-        self.metrics.pages("write", "exists", status.count(EXISTS))
-        self.metrics.pages("write", "full", full)
-        self.metrics.bytes("write", status.count(STORED) * pb)
-        if full:
-            self.log.warning("full", "no slot for %d page(s) of %d bytes (every region pinned by writers, or pages larger "
-                             "than the store's %d-byte regions)", full, pb, g.region_bytes)
-        return results
-
-    @staticmethod
-    def _tail(a: _Attached, field: bytes, slot: Slot, crc: int) -> bytes:
+    def _tail(self, a: Attachment, field: bytes, slot: Slot, crc: int) -> bytes:
         """An entry after its head, as the writer sends it: checksum and tag."""
         signed = ENTRY_HEAD.pack(slot.region, slot.gen, slot.slot) + crc.to_bytes(8, "little")
         return signed[ENTRY_HEAD.size :] + a.tags.tag(field, signed)
 
-    def _fill_stock(self, a: _Attached, page_bytes: int, need: Mapping[int, int]) -> None:
-        """Make this thread's stock hold ``need[shard]`` slots of this size where it can
-        (one COMMIT call for all short shards; more only to add a page file)."""
-        alloc = a.alloc
-        for _ in range(4):
-            short = [s for s, n in need.items() if alloc.stocked(s, page_bytes) < n]
-            if not short:
-                return
-            outs = alloc.commit_many([(s, [], [], [(page_bytes, need[s], True)]) for s in short])
-            retry = False
-            for s, res in zip(short, outs):
-                self._after_commit(a, s, res)
-                if res.too_big:
-                    self.metrics.pages("write", "too_big", need[s])
-                    return
-                if res.need_file:
-                    self._add_file(a, s)
-                    retry = True
-            if not retry:
-                return
+    def _write(self, a: Attachment, ns: Namespace, keys: Sequence[str], srcs: Sequence[Regions], aligned: bool) -> list[bool]:
+        pb = ns.page_bytes
+        fields = entry_fields(ns.ns_id, keys)
+        with a.reserve(pb, fields) as res:
+            runs = self._runs([Page(i, p.file, p.offset) for i, p in res.places.items()], pb, len(srcs[0]))
+            units = [(run, off, piece) for run in runs
+                     for off, piece in _pieces([m for p in run for m in srcs[p.pos]], MAX_RUN_BYTES)]
 
-    def _after_commit(self, a: _Attached, shard: int, res: CommitResult) -> None:
-        self.metrics.housekeeping("evicted", res.evicted)
-        self.metrics.housekeeping("pages_evicted", res.pages_evicted)
-        for r in res.fresh:  # regions that were holes: give them disk space before use
-            try:
-                a.files.allocate(r)
-            except TierStoreError as e:  # the write goes on: space is then taken as pages land
-                self._io_failure(a, "allocate", a.att.geometry.file_of(r), e)
+            def write_unit(unit: tuple[Run, int, list[memoryview]]) -> None:
+                run, off, piece = unit
+                a.pages.write(run[0].file, run[0].offset + off, piece, sum(map(len, piece)), aligned)
 
-    def _add_file(self, a: _Attached, shard: int) -> None:
-        """A new page file for a shard that has no region left without one."""
-        f, dir_id, uid = a.alloc.add_file(shard)
-        try:
-            a.files.create(f, dir_id, uid)
-        except PageIOError as e:
-            self._io_failure(a, "create_file", f, e)
-            a.alloc.lose_file(shard, f, uid, 0)
-            return
-        if not a.alloc.file_ready(shard, f, uid):
-            a.files.remove(f, dir_id)
-            return
-        with a.lock:
-            a.records[f] = FileRecord(dir_id, uid, "r")
-        self.metrics.housekeeping("files_added", 1)
+            with self.io.submit(write_unit, units, len(res.places) * pb // max(1, len(units)), write=True) as batch:
+                tails = {i: self._tail(a, fields[i], p.slot, checksum(srcs[i])) for i, p in res.places.items()}
+                outcomes = batch.results()  # while the pages are being written
+            failed: set[int] = set()
+            for (run, _, _), o in zip(units, outcomes):
+                if isinstance(o, BaseException):
+                    if run[0].pos not in failed:  # once per run, however many of its pieces failed
+                        a.files.failure("io_write", run[0].file.number, o)
+                    failed.update(p.pos for p in run)
+            status = res.commit((i for i in res.places if i not in failed), tails, self.cfg.fsync == "commit")
+        stored = sum(1 for s in status.values() if s == STORED)
+        self.metrics.pages("write", "stored", stored)
+        self.metrics.pages("write", "exists", sum(1 for s in status.values() if s == EXISTS))
+        self.metrics.bytes("write", stored * pb)
+        return [status.get(i) in (STORED, EXISTS) for i in range(len(keys))]
 
-    # -- housekeeping -------------------------------------------------------------
-
-    def _queue_touch(self, a: _Attached, regions: list[int]) -> None:
-        if regions:
-            now = self.clock()
-            g = a.att.geometry
-            with self._lock:
-                for r in regions:
-                    self._touch.setdefault(g.shard_of_region(r), {})[r] = now
-
-    def flush_touches(self) -> None:
-        """Send batched recency updates: one ZADD XX GT per shard."""
-        self._flush_touches(self.attached())
-
-    def _flush_touches(self, a: _Attached) -> None:
-        with self._lock:
-            pending, self._touch = self._touch, {}
-        for shard, regions in pending.items():
-            self.index.zadd_newer(a.alloc.key(shard, "lru"), regions)
-
-    def sweep(self, max_work: int) -> int:
-        """One housekeeping pass of the allocator over every shard: expired leases,
-        shrinking to capacity, free regions ahead of need. Returns work done."""
-        a = self.attached()
-        g = a.att.geometry
-        work = 0
-        draining = 0
-        for s in range(g.shards):
-            try:
-                expired, slots, evicted, pages, drain, punch = a.alloc.sweep(s, self.cfg.free_target, max_work)
-            except StoreDetached as e:
-                self.detach(e, a)
-                return work
-            self.metrics.housekeeping("leases_expired", expired)
-            self.metrics.housekeeping("slots_reclaimed", slots)
-            self.metrics.housekeeping("evicted", evicted)
-            self.metrics.housekeeping("pages_evicted", pages)
-            punched = []
-            for r in punch:  # holes whose space is still on disk
-                try:
-                    a.files.punch(r)
-                    punched.append(r)
-                except PageIOError as e:  # stays queued: tried again next time
-                    self._io_failure(a, "punch", g.file_of(r), e)
-            self.metrics.housekeeping("deallocated", a.alloc.punched(s, punched))
-            draining += drain
-            work += expired + evicted + len(punched)
-        self.metrics.housekeeping("stocks_tidied", a.alloc.tidy(draining > 0))
-        return work
-
-    def forget_lost_files(self, max_work: int) -> None:
-        """Forget page files found gone: drop their pages, give back their capacity."""
-        a = self.attached()
-        with self._lock:
-            lost, self._lost = self._lost, {}
-        for f, uid in lost.items():
-            shard = a.att.geometry.shard_of_file(f)
-            left, pages = a.alloc.lose_file(shard, f, uid, max_work)
-            a.alloc.invalidate_stocks()
-            self.metrics.housekeeping("pages_lost", pages)
-            if left:
-                with self._lock:
-                    self._lost[f] = uid
-                continue
-            with a.lock:
-                rec = a.records.pop(f, None)
-            if rec is not None and rec.dir_id in a.files.dirs:
-                try:  # whatever is at its path now is not a file of this store
-                    a.files.remove(f, rec.dir_id)
-                except PageIOError as e:
-                    self._io_failure(a, "remove_file", f, e)
-            self.log.warning("file_forgotten", "page file %d forgotten (%d pages dropped)", f, pages)
-
-    def audit_files(self, dir_retire_s: float) -> None:
-        """Compare our files with the index: deleted or replaced files, files the index
-        does not know, directories no process has any more."""
-        a = self.attached()
-        g = a.att.geometry
-        for f in a.files.open_files():
-            self._file_current(a, f)
-        on_disk = a.files.on_disk()  # before the records: a file is recorded before it is created
-        records: dict[int, FileRecord] = {}
-        for s in range(g.shards):
-            records.update({f: FileRecord(*v) for f, v in a.alloc.files(s).items()})
-        with a.lock:
-            a.records = dict(records)
-        for f, where in on_disk.items():
-            rec = records.get(f)
-            for dir_id, _ in where:
-                if rec is None or rec.dir_id != dir_id or rec.state == "l":
-                    try:
-                        a.files.remove(f, dir_id)
-                        self.metrics.housekeeping("files_removed", 1)
-                    except PageIOError as e:
-                        self._io_failure(a, "remove_file", f, e)
-        for f, rec in records.items():
-            if rec.state == "r" and rec.dir_id in a.files.dirs and f not in a.files.open_files():
-                try:
-                    a.files.ensure_open(f)
-                except FileGone as e:
-                    self._file_gone(a, f, e)
-                except PageIOError:
-                    pass
-        now = self.clock()
-        home.report_dirs(self.index, a.att.tag, a.att.dirs, now)
-        for dir_id in home.retired_dirs(self.index, a.att.tag, list(a.att.dirs), now - dir_retire_s):
-            with self._lock:
-                self._lost.update({f: rec.uid for f, rec in records.items() if rec.dir_id == dir_id})
-            if not any(rec.dir_id == dir_id for rec in records.values()):
-                home.forget_dir(self.index, a.att.tag, dir_id)
-                self.log.warning("dir_retired", "directory %s of the store was not seen for %.0f s: forgotten", dir_id, dir_retire_s)
-
-    # -- operator calls -----------------------------------------------------------
-
-    def check(self, fix: bool = False, verify_pages: bool = True) -> list[str]:
-        """Compare the index with itself and the page files (see :mod:`check`)."""
-        return check_store(self, fix, verify_pages)
-
-    def set_capacity(self, capacity: int) -> None:
-        """Change the store's capacity (bytes) while running: housekeeping in every
-        process evicts down to it and punches the space out of the files."""
-        a = self.attached()
-        home.set_capacity(self.index, a.att.tag, a.att.geometry, capacity)
-        self.cfg = self.cfg.with_capacity(capacity)
+    # -- dropping pages -------------------------------------------------------------
 
     def clear(self, namespaces: Sequence[Namespace]) -> int:
-        """Drop every page of these namespaces; returns how many."""
-        a = self.attached()
+        """Drop every page of these namespaces; returns how many. Streams the entries
+        (HSCAN, bounded steps): O(pages) Redis work."""
+        a = self.space.attached()
         n = 0
         for ns_id in {x.ns_id for x in namespaces}:
             pattern = glob_escape(ns_id) + b"*"
-            for s in range(a.att.geometry.shards):
-                key = a.alloc.key(s, "entries")
+            for s in range(a.geometry.shards):
+                key = a.key(s, "entries")
                 cursor = 0
                 while True:
                     cursor, chunk = self.index.hscan(key, cursor, 1000, match=pattern)
-                    n += a.alloc.drop(s, [(f, b"") for f in chunk if f.startswith(ns_id)])
+                    n += a.drop([(f, b"") for f in chunk if f.startswith(ns_id)])
                     if cursor == 0:
                         break
         return n
@@ -774,80 +468,14 @@ class TierStore:
     def delete(self, ns: Namespace, keys: Sequence[str]) -> int:
         """Drop these pages (their slots are dead until their region is reclaimed);
         returns how many were stored."""
-        return self._drop_now(self.attached(), [(f, b"") for f in entry_fields(ns.ns_id, keys)])
-
-    def where(self, ns: Namespace, key: str) -> Optional[tuple[str, int, int]]:
-        """(page file, byte offset, region) of a committed page, or None."""
-        a = self.attached()
-        raw = self._lookup(a, [entry_field(ns.ns_id, key)])[0]
-        if raw is None:
-            return None
-        e = unpack_entry(raw)
-        g = a.att.geometry
-        rec = self.record(g.file_of(e.region))
-        if rec is None or rec.dir_id not in a.files.dirs:
-            return None
-        return a.files.path(g.file_of(e.region), rec.dir_id), g.slot_offset(e.region, e.slot, ns.page_bytes), e.region
-
-    def usage(self) -> dict[str, int]:
-        """Regions and capacity over every shard (see ``Allocator.counts``)."""
-        a = self.attached()
-        total: dict[str, int] = {}
-        for s in range(a.att.geometry.shards):
-            for k, v in a.alloc.counts(s).items():
-                total[k] = total.get(k, 0) + v
-        total["region_bytes"] = a.att.geometry.region_bytes
-        total["allocated_bytes"] = total["allocated_regions"] * a.att.geometry.region_bytes
-        total["capacity_bytes"] = total["capacity_regions"] * a.att.geometry.region_bytes
-        total["pages"] = sum(self.index.hlen(a.alloc.key(s, "entries")) for s in range(a.att.geometry.shards))
-        return total
-
-    def page_sizes(self) -> dict[int, dict[str, int]]:
-        """Regions in use and their slots, by page size: each size's share of the store.
-        Streams the region records (HSCAN, bounded steps)."""
-        a = self.attached()
-        out: dict[int, dict[str, int]] = {}
-        for s in range(a.att.geometry.shards):
-            key, cursor = a.alloc.key(s, "regions"), 0
-            while True:
-                cursor, chunk = self.index.hscan(key, cursor, 1000)
-                for raw in chunk.values():
-                    reg = unpack_region(raw)
-                    if reg.state == USED:
-                        d = out.setdefault(reg.page_bytes, {"regions": 0, "live": 0, "leased": 0, "dead": 0})
-                        d["regions"] += 1
-                        d["live"] += reg.live
-                        d["leased"] += reg.leased
-                        d["dead"] += reg.fill - reg.live - reg.leased
-                if cursor == 0:
-                    break
-        return out
-
-    def pages_by_namespace(self) -> dict[str, int]:
-        """Committed pages per namespace id. Streams the entries (HSCAN, bounded steps):
-        O(pages) Redis work, for operators' tools rather than a hot path."""
-        a = self.attached()
-        out: dict[str, int] = {}
-        for s in range(a.att.geometry.shards):
-            key, cursor = a.alloc.key(s, "entries"), 0
-            while True:
-                cursor, chunk = self.index.hscan(key, cursor, 1000)
-                for f in chunk:
-                    ns = f[:8].hex()
-                    out[ns] = out.get(ns, 0) + 1
-                if cursor == 0:
-                    break
-        return out
-
-    def stats(self) -> dict[str, object]:
-        out: dict[str, object] = dict(self.metrics.snapshot())
-        try:
-            out["usage"] = self.usage()
-        except TierStoreError:
-            pass
-        return out
+        return self.space.attached().drop([(f, b"") for f in entry_fields(ns.ns_id, keys)])
 
     # -- helpers ------------------------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        """This process's counts (pages by operation and outcome, errors by kind,
+        housekeeping by action)."""
+        return self.metrics.snapshot()
 
     def _check_sizes(self, ns: Namespace, keys: Sequence[str], bufs: Sequence[Regions]) -> None:
         if len(keys) != len(bufs):
@@ -858,28 +486,21 @@ class TierStore:
                 raise ValueError(f"page buffer for key {k!r} has {n} bytes, namespace pages have {ns.page_bytes}")
 
     def close(self, timeout: Optional[float] = None) -> bool:
-        """Send the last recency updates, give the leases back, close the page files,
-        stop the I/O threads and disconnect from Redis; later calls raise
+        """Stop housekeeping, send the last recency updates, give the leases back, close
+        the page files, stop the I/O threads and disconnect from Redis; later calls raise
         :class:`StoreClosed`. Idempotent.
 
         Whatever a call still running uses is released when it is done with it: a page
         file's descriptors after its last I/O, a mid-batch writer's lease when it expires.
-        I/O threads are waited for at most ``timeout`` s (None: as long as they take); one
+        Threads are waited for at most ``timeout`` s (None: as long as they take); one
         stuck on a disk that stopped answering exits once its call returns. True if
         everything was released now."""
-        with self._att_lock:
-            if self._closed:
-                return True
-            self._closed = True
-            a, self._att = self._att, None
-        kept = 0
-        if a is not None:
-            try:
-                self._flush_touches(a)
-                kept = a.alloc.release_all()
-            except TierStoreError as e:  # the leases expire; recency updates are a hint
-                self.log.warning("close", "giving the leases back on close failed: %s", e)
-            a.files.close()
-        stopped = self.io.close(timeout)
+        deadline = None if timeout is None else mod_time.monotonic() + timeout
+
+        def left() -> Optional[float]:
+            return None if deadline is None else max(0.0, deadline - mod_time.monotonic())
+
+        released = self.space.close(left())
+        stopped = self.io.close(left())
         self.index.close()
-        return stopped and not kept
+        return released and stopped

@@ -7,20 +7,58 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 from sglang_tierstore import TierStore, TierStoreConfig
-from sglang_tierstore.eviction import Housekeeper
+from sglang_tierstore.pagefile import PageFiles
 from sglang_tierstore.store import Namespace
 
 MiB = 1 << 20
 
+Hook = Callable[..., Any]  # hook(real, *args): called instead of the real method, which it may call
+
+
+def hooked(hooks: dict[str, Hook]) -> type[PageFiles]:
+    """Page files whose I/O a test may wrap while the store runs: with
+    ``hooks["read"] = fn`` every ``read(*args)`` becomes ``fn(real_read, *args)``. Given
+    to a store as ``page_files`` (the store's own door for the bytes layer)."""
+
+    def through(name: str, real: Hook, *args: Any) -> Any:
+        hook = hooks.get(name)
+        return real(*args) if hook is None else hook(real, *args)
+
+    class Hooked(PageFiles):
+        def read(self, *args: Any) -> None:
+            through("read", super().read, *args)
+
+        def write(self, *args: Any) -> None:
+            through("write", super().write, *args)
+
+        def create(self, *args: Any) -> None:
+            through("create", super().create, *args)
+
+        def punch(self, *args: Any) -> None:
+            through("punch", super().punch, *args)
+
+        def allocate(self, *args: Any) -> None:
+            through("allocate", super().allocate, *args)
+
+    return Hooked
+
 
 def engine(cfg: dict[str, Any], clock: Optional[Callable[[], float]] = None, **kw: Any) -> TierStore:
+    page_files = kw.pop("page_files", PageFiles)
     c = TierStoreConfig.from_dict({**cfg, **kw})
     assert c.redis_url is not None
-    return TierStore(c, c.redis_url, clock or time.time)
+    return TierStore(c, c.redis_url, clock or time.time, page_files=page_files)
 
 
-def housekeep(store: TierStore) -> None:
-    Housekeeper(store).run_once(audit=True)
+def housekeep(store: TierStore, audit: bool = True) -> None:
+    store.space.housekeeping.run_once(audit=audit)
+
+
+def sweep_all(store: TierStore) -> None:
+    """Sweep every shard until a sweep has less than a call's worth of work left."""
+    hk = store.space.housekeeping
+    while hk.sweep(store.space.attached()) >= 256:
+        pass
 
 
 def pages(n: int, size: int, seed: int) -> list[bytearray]:

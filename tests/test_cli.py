@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sglang_tierstore import cli
 from sglang_tierstore.config import TierStoreConfig
 from sglang_tierstore.embedded import ensure_embedded_redis, pid_file, redis_dir, stop_embedded_redis
-from sglang_tierstore.private import PRIVATE
+from sglang_tierstore.perms import PRIVATE
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = {4096: 20, 8192: 10}  # page bytes -> pages written, one namespace each

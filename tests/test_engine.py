@@ -16,8 +16,10 @@ from typing import Any
 
 import pytest
 from conftest import RedisProc, flip_byte, keys
-from engine_kit import MiB, engine, housekeep, pages, read, views
+from monitor import Monitor
+from engine_kit import Hook, MiB, engine, hooked, housekeep, pages, read, views
 
+from sglang_tierstore import inspect
 from sglang_tierstore import store as store_module
 from sglang_tierstore.errors import PageIOError
 from sglang_tierstore.schema import ALIGN
@@ -47,7 +49,8 @@ def cfg(tmp_path: Path, server_proc: RedisProc) -> dict[str, Any]:
 
 
 def test_importing_the_engine_needs_neither_torch_nor_sglang() -> None:
-    code = ("import sys, sglang_tierstore, sglang_tierstore.store, sglang_tierstore.eviction, sglang_tierstore.check; "
+    code = ("import sys, sglang_tierstore, sglang_tierstore.store, sglang_tierstore.space, sglang_tierstore.inspect, "
+            "sglang_tierstore.cli; "
             "bad = [m for m in ('torch', 'sglang') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -67,7 +70,7 @@ def test_round_trip_leading_run_and_gaps(cfg: dict[str, Any], page_bytes: int) -
         assert got[:3] == src[:3]
         ok, got = read(st, ns, with_gap[4:6])
         assert ok == [True, True] and got == src[4:6]
-        assert st.check() == []
+        assert inspect.check(st) == []
     finally:
         st.close()
 
@@ -88,7 +91,7 @@ def test_staged_reads_give_the_same_bytes(cfg: dict[str, Any], page_bytes: int, 
         assert [b"".join(bytes(r) for r in regions) for regions in dests[:9]] == src[:9]
         assert st.read(ns, ks[9:], dests[9:], aligned) == [False] * 3  # nothing to read: no I/O at all
         assert "error_io_read_timeout" not in st.stats() and "error_internal" not in st.stats()
-        assert st.check() == []
+        assert inspect.check(st) == []
     finally:
         st.close()
 
@@ -100,17 +103,15 @@ def test_pages_larger_than_one_write_go_to_disk_in_pieces(cfg: dict[str, Any], p
     """A page larger than MAX_RUN_BYTES is written as several pwritevs of at most that
     (the unit a read may have to wait behind), cut across its regions: the same bytes
     come back, O_DIRECT or buffered, read directly or staged."""
-    st = engine(cfg, capacity_gb=96 * MiB / (1 << 30), read_timeout_s=read_timeout_s)
+    sizes: list[int] = []
+
+    def write(real: Hook, ref: Any, offset: int, bufs: Any, nbytes: int, aligned: bool) -> None:
+        assert sum(map(len, bufs)) == nbytes
+        sizes.append(nbytes)
+        real(ref, offset, bufs, nbytes, aligned)
+
+    st = engine(cfg, capacity_gb=96 * MiB / (1 << 30), read_timeout_s=read_timeout_s, page_files=hooked({"write": write}))
     try:
-        files = st.attached().files
-        real, sizes = files.write, []
-
-        def write(file_no: int, offset: int, bufs: Any, nbytes: int, aligned: bool) -> None:
-            assert sum(map(len, bufs)) == nbytes
-            sizes.append(nbytes)
-            real(file_no, offset, bufs, nbytes, aligned)
-
-        files.write = write  # type: ignore[method-assign]
         ns = st.namespace({}, page_bytes)
         ks, src = keys(6), pages(6, page_bytes, 7)
         assert st.write(ns, ks, split_pages(src, aligned), aligned) == [True] * 6
@@ -118,7 +119,7 @@ def test_pages_larger_than_one_write_go_to_disk_in_pieces(cfg: dict[str, Any], p
         dests = split_pages([bytearray(page_bytes) for _ in ks], aligned)
         assert st.read(ns, ks, dests, aligned) == [True] * 6
         assert [b"".join(bytes(r) for r in regions) for regions in dests] == src
-        assert st.check() == []
+        assert inspect.check(st) == []
     finally:
         st.close()
 
@@ -127,23 +128,21 @@ def test_a_page_whose_pieces_all_fail_is_one_failed_write(cfg: dict[str, Any]) -
     """A page written in pieces is one write to the operator: when every piece fails,
     the error is counted (and logged) once per page, not once per piece, the page is
     not stored, and the store is whole."""
-    st = engine(cfg, capacity_gb=96 * MiB / (1 << 30))
+    calls: list[tuple[Any, ...]] = []
+
+    def failing(real: Hook, *args: Any) -> None:
+        calls.append(args)
+        raise PageIOError(errno.EIO, "I/O error")
+
+    st = engine(cfg, capacity_gb=96 * MiB / (1 << 30), page_files=hooked({"write": failing}))
     try:
-        files = st.attached().files
-        calls: list[tuple[Any, ...]] = []
-
-        def failing(*args: Any) -> None:
-            calls.append(args)
-            raise PageIOError(errno.EIO, "I/O error")
-
-        files.write = failing  # type: ignore[method-assign]
         ns = st.namespace({}, 5 * MiB // 2)
         ks = keys(4)
         assert st.write(ns, ks, split_pages(pages(4, 5 * MiB // 2, 3), True), True) == [False] * 4
         assert len(calls) == 4 * 3  # three pieces a page
         assert st.stats()["error_io_write"] == 4
         assert st.exists([(ns, ks)]) == [[False] * 4]
-        assert st.check() == []
+        assert inspect.check(st) == []
     finally:
         st.close()
 
@@ -153,20 +152,21 @@ def test_a_read_during_a_large_write_waits_for_one_write_unit_per_thread(cfg: di
     it completes once each thread has finished that one unit, while every later unit
     of the batch is still held back (with the reads queued behind the batch, it would
     wait for all of them)."""
-    st = engine(cfg, io_threads=2, capacity_gb=64 * MiB / (1 << 30))
+    hooks: dict[str, Hook] = {}
+    st = engine(cfg, io_threads=2, capacity_gb=64 * MiB / (1 << 30), page_files=hooked(hooks))
     pool = ThreadPoolExecutor(2)
     inside, permits = threading.Semaphore(0), threading.Semaphore(0)
     try:
         ns = st.namespace({}, 256 << 10)
         old, src = keys(8, "old"), pages(8, 256 << 10, 1)
         assert st.write(ns, old, views(src), False) == [True] * 8
-        files, io = st.attached().files, st.io
-        real_write, real_submit = files.write, io.submit
+        io = st.io
+        real_submit = io.submit
 
-        def held_write(*args: Any) -> None:
+        def held_write(real: Hook, *args: Any) -> None:
             inside.release()
             assert permits.acquire(timeout=HANG_S)
-            real_write(*args)
+            real(*args)
 
         queued = threading.Event()
 
@@ -176,7 +176,7 @@ def test_a_read_during_a_large_write_waits_for_one_write_unit_per_thread(cfg: di
                 queued.set()
             return batch
 
-        files.write = held_write  # type: ignore[method-assign]
+        hooks["write"] = held_write
         io.submit = submit  # type: ignore[method-assign]
         writer = pool.submit(st.write, ns, keys(64, "new"), views(pages(64, 256 << 10, 2)), False)
         for _ in range(2):
@@ -187,7 +187,7 @@ def test_a_read_during_a_large_write_waits_for_one_write_unit_per_thread(cfg: di
         assert reader.result(timeout=HANG_S) == ([True] * 8, src)
         permits.release(64)
         assert writer.result(timeout=HANG_S) == [True] * 64
-        assert st.check() == []
+        assert inspect.check(st) == []
     finally:
         permits.release(64)
         pool.shutdown()
@@ -201,7 +201,8 @@ def test_a_call_that_raises_with_io_in_flight_returns_only_after_that_io(cfg: di
     page's tag) raises while other runs of the batch are in flight. The call raises only
     once they are done: none of their preadv/pwritev happens after it, when SGLang may
     already have given that host memory to other pages. The store is whole afterwards."""
-    st = engine(cfg, capacity_gb=64 * MiB / (1 << 30))
+    hooks: dict[str, Hook] = {}
+    st = engine(cfg, capacity_gb=64 * MiB / (1 << 30), page_files=hooked(hooks))
     ns = st.namespace({}, MAX_RUN_BYTES)  # a page per run: 16 runs over 4 threads
     ks, src = keys(16), pages(16, MAX_RUN_BYTES, 5)
     raised, other_started, counting = threading.Event(), threading.Event(), threading.Lock()
@@ -210,10 +211,7 @@ def test_a_call_that_raises_with_io_in_flight_returns_only_after_that_io(cfg: di
     try:
         if op == "read":
             assert st.write(ns, ks, views(src), False) == [True] * 16
-        files = st.attached().files
-        real_io = getattr(files, op)
-
-        def held_io(*args: Any) -> None:
+        def held_io(real: Hook, *args: Any) -> None:
             with counting:
                 first = not started
                 started.append(len(started))
@@ -222,18 +220,15 @@ def test_a_call_that_raises_with_io_in_flight_returns_only_after_that_io(cfg: di
             else:
                 other_started.set()
                 raised.wait(1.0)  # time for the call to raise and return, were it not waiting
-            real_io(*args)
+            real(*args)
             ended.append(raised.is_set())
 
-        def bug(*args: Any) -> Any:
+        def bug(*args: Any) -> Any:  # the page hash, which the caller's thread runs as the I/O goes on
             assert other_started.wait(HANG_S)
             raise KeyError("a bug")
 
-        monkeypatch.setattr(files, op, held_io)
-        if op == "read":
-            monkeypatch.setattr(store_module, "checksum", bug)
-        else:
-            monkeypatch.setattr(st, "_tail", bug)
+        hooks[op] = held_io
+        monkeypatch.setattr(store_module, "checksum", bug)
         with pytest.raises(KeyError):
             if op == "read":
                 read(st, ns, ks)
@@ -242,10 +237,11 @@ def test_a_call_that_raises_with_io_in_flight_returns_only_after_that_io(cfg: di
         raised.set()
         assert len(started) >= 2 and len(ended) == len(started) and not any(ended), (started, ended)
         monkeypatch.undo()
+        del hooks[op]
         if op == "write":
             assert st.write(ns, ks, views(src), False) == [True] * 16
         assert read(st, ns, ks) == ([True] * 16, src)
-        assert st.check() == []
+        assert inspect.check(st) == []
     finally:
         raised.set()
         st.close()
@@ -277,7 +273,7 @@ def test_existing_key_keeps_its_first_bytes(cfg: dict[str, Any]) -> None:
         ok, got = read(st, ns, k)
         assert ok == [True] and got == first
         assert st.stats()["write_exists"] == 3
-        assert st.check() == []
+        assert inspect.check(st) == []
     finally:
         st.close()
 
@@ -293,7 +289,7 @@ def test_delete_drops_only_those_pages(cfg: dict[str, Any]) -> None:
         assert st.exists([(ns, ks)]) == [[True, False, False, True, True, True]]
         ok, got = read(st, ns, ks[3:])
         assert ok == [True] * 3 and got == src[3:]
-        assert st.check() == []
+        assert inspect.check(st) == []
     finally:
         st.close()
 
@@ -311,7 +307,7 @@ def test_bad_buffers_are_clear_errors_and_lose_nothing(cfg: dict[str, Any]) -> N
         with pytest.raises(ValueError, match="page_bytes must be positive"):
             st.namespace({}, 0)
         assert st.exists([(ns, ks)]) == [[True, True]]
-        assert st.check() == []
+        assert inspect.check(st) == []
     finally:
         st.close()
 
@@ -324,15 +320,15 @@ def test_a_checksum_mismatch_is_a_miss_and_drops_only_that_entry(cfg: dict[str, 
         ks = keys(4)
         src = pages(4, 8192, 7)
         assert st.write(ns, ks, views(src), False) == [True] * 4
-        where = st.where(ns, ks[1])
+        where = inspect.where(st, ns, ks[1])
         assert where is not None
         flip_byte(where[0], where[1] + 8191)
-        assert [p for p in st.check(fix=False) if "checksum mismatch" in p] != []
+        assert [p for p in inspect.check(st, fix=False) if "checksum mismatch" in p] != []
         ok, got = read(st, ns, ks)
         assert ok == [True, False, True, True] and got[0] == src[0] and got[2:] == src[2:]
         assert st.exists([(ns, ks)]) == [[True, False, True, True]]
         assert st.stats()["error_corrupt"] == 1
-        assert st.check() == []
+        assert inspect.check(st) == []
         assert st.write(ns, ks[1:2], views(src[1:2]), False) == [True]  # written again, read right
         ok, got = read(st, ns, ks[1:2])
         assert ok == [True] and got == src[1:2]
@@ -346,13 +342,13 @@ def test_check_fix_drops_what_does_not_verify(cfg: dict[str, Any]) -> None:
         ns = st.namespace({}, 4096)
         ks = keys(3)
         assert st.write(ns, ks, views(pages(3, 4096, 8)), False) == [True] * 3
-        where = st.where(ns, ks[2])
+        where = inspect.where(st, ns, ks[2])
         assert where is not None
         flip_byte(where[0], where[1])
-        problems = st.check(fix=True)
+        problems = inspect.check(st, fix=True)
         assert len(problems) == 1 and "checksum mismatch" in problems[0]
         assert st.exists([(ns, ks)]) == [[True, True, False]]
-        assert st.check() == []
+        assert inspect.check(st) == []
     finally:
         st.close()
 
@@ -364,18 +360,18 @@ def test_check_fix_drops_what_does_not_verify(cfg: dict[str, Any]) -> None:
                                      RuntimeError("a bug")])
 def test_a_failure_that_is_not_about_the_page_keeps_it(cfg: dict[str, Any], failure: BaseException,
                                                        caplog: pytest.LogCaptureFixture) -> None:
-    st = engine(cfg)
+    hooks: dict[str, Hook] = {}
+    st = engine(cfg, page_files=hooked(hooks))
     try:
         ns = st.namespace({}, 4096)
         ks = keys(3)
         src = pages(3, 4096, 9)
         assert st.write(ns, ks, views(src), False) == [True] * 3
-        real = st.attached().files.read
 
-        def failing(*a: Any, **kw: Any) -> None:
+        def failing(real: Hook, *a: Any) -> None:
             raise failure
 
-        st.attached().files.read = failing  # type: ignore[method-assign]
+        hooks["read"] = failing
         with caplog.at_level(logging.WARNING):
             ok, _ = read(st, ns, ks)
         assert ok == [False] * 3
@@ -383,44 +379,30 @@ def test_a_failure_that_is_not_about_the_page_keeps_it(cfg: dict[str, Any], fail
         if isinstance(failure, RuntimeError):
             assert "Traceback" in caplog.text and "a bug" in caplog.text  # logged with its traceback
             assert st.stats()["error_internal"] >= 1
-        st.attached().files.read = real  # type: ignore[method-assign]
+        del hooks["read"]
         ok, got = read(st, ns, ks)
         assert ok == [True] * 3 and got == src
-        assert st.check() == []
+        assert inspect.check(st) == []
     finally:
         st.close()
 
 
-def test_a_write_is_one_round_trip_once_the_writer_has_a_stock(cfg: dict[str, Any]) -> None:
+def test_a_write_is_one_round_trip_once_the_writer_has_a_stock(cfg: dict[str, Any], server_proc: RedisProc) -> None:
+    """Seen by the server: once a writer holds a stock, a write batch is one function call
+    and nothing else; a read is one HMGET and nothing else."""
     st = engine(cfg)
     try:
         ns = st.namespace({}, 4096)
-        calls: list[list[str]] = []
-        real = st.index.scripts
-
-        def counting(c: Any) -> Any:
-            calls.append([name for name, _, _ in c])
-            return real(c)
-
-        st.index.scripts = counting  # type: ignore[method-assign]
-        hmgets = 0
-        real_hmget = st.index.hmget
-
-        def counting_hmget(parts: Any) -> Any:
-            nonlocal hmgets
-            hmgets += 1
-            return real_hmget(parts)
-
-        st.index.hmget = counting_hmget  # type: ignore[method-assign]
+        first = Monitor(server_proc.port)
         assert st.write(ns, keys(16, "a"), views(pages(16, 4096, 10)), False) == [True] * 16
-        assert calls[-1] == ["COMMIT"] and len(calls) >= 2  # the first batch also fills the stock
-        calls.clear()
+        assert first.commands()["FCALL"] >= 2  # the first batch also leases its stock
+        writes = Monitor(server_proc.port)
         for tag in ("b", "c", "d"):
             assert st.write(ns, keys(16, tag), views(pages(16, 4096, 11)), False) == [True] * 16
-        assert calls == [["COMMIT"]] * 3 and hmgets == 0
-        calls.clear()
+        assert writes.commands() == {"FCALL": 3}
+        reads = Monitor(server_proc.port)
         assert st.read(ns, keys(16, "c"), views([bytearray(4096) for _ in range(16)]), False) == [True] * 16
-        assert calls == [] and hmgets == 1  # a read is one HMGET
+        assert reads.commands() == {"HMGET": 1}
     finally:
         st.close()
 
@@ -431,24 +413,25 @@ def test_a_dead_writers_stock_is_reclaimed_exactly(cfg: dict[str, Any]) -> None:
     dead = engine(cfg, lease_s=5)
     ns = dead.namespace({}, 65536)
     assert dead.write(ns, keys(6, "dead"), views(pages(6, 65536, 12)), False) == [True] * 6
-    assert dead.attached().alloc.stocked(0, 65536) > 0  # it holds a stock, and then "dies" (no close)
+    assert inspect.usage(dead)["leases"] == 1  # it holds a stock, and then "dies" (no close)
     later = 0.0
     st = engine(cfg, lease_s=5, clock=lambda: __import__("time").time() + later)
     try:
         ns2 = st.namespace({}, 65536)
-        assert st.check() == []  # leased slots are a state of their own
+        assert inspect.check(st) == []  # leased slots are a state of their own
         later = 6.0
         housekeep(st)
-        assert st.usage()["leases"] == 0
-        assert st.check() == []
+        assert inspect.usage(st)["leases"] == 0
+        assert inspect.check(st) == []
         src = pages(80, 65536, 13)
         for i in range(0, 80, 8):  # 5x the capacity: every region is reclaimed and reused
             assert st.write(ns2, keys(80, "after")[i : i + 8], views(src[i : i + 8]), False) == [True] * 8
             housekeep(st)
-        assert st.usage()["allocated_bytes"] <= 4 * MiB
+        assert inspect.usage(st)["allocated_bytes"] <= 4 * MiB
         ok, got = read(st, ns2, keys(80, "after")[-8:])
         assert ok == [True] * 8 and got == src[-8:]
-        assert st.check() == []
+        assert inspect.check(st) == []
     finally:
         st.close()
+        dead.io.close()
         dead.index.close()

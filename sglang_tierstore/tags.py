@@ -25,7 +25,7 @@ import secrets
 from typing import Sequence
 
 from sglang_tierstore.errors import ConfigError
-from sglang_tierstore.private import Modes, write_file
+from sglang_tierstore.perms import Modes, write_file
 from sglang_tierstore.schema import SIGNED_BYTES, TAG_BYTES
 
 KEY_FILE = "entry.key"

@@ -1,9 +1,9 @@
-"""Which store a set of directories belongs to, and attaching to it.
+"""Which store a set of directories belongs to, and attaching to it (adopt or create).
 
 A store is ``(redis_prefix, store id)``. The id is written into a marker in each of
 its directories (``<dir>/tierstore-<prefix>/store.json``, with that directory's own
 id) and names every key of the store in the index. Each store directory also holds
-the store's entry key (:mod:`sglang_tierstore.mac`). So:
+the store's entry key (:mod:`sglang_tierstore.tags`). So:
 
 - stores with different prefixes on one path use different subdirectories;
 - two nodes sharing one Redis and one prefix, each with its own local path, get two
@@ -38,19 +38,13 @@ from typing import Iterator, Optional, Sequence
 
 import xxhash
 
-from sglang_tierstore.allocator import (
-    ALL_SCRIPTS,
-    Geometry,
-    needs_new_geometry,
-    region_bytes_for,
-    regions_per_file_for,
-    shard_conf,
-)
 from sglang_tierstore.errors import ConfigError, NoStore
 from sglang_tierstore.index import RedisIndex
-from sglang_tierstore.mac import load_key
-from sglang_tierstore.private import PRIVATE, Modes, own_dir, write_file
-from sglang_tierstore.schema import FORMAT, glob_escape, meta_key, shard_keys, store_tag
+from sglang_tierstore.perms import PRIVATE, Modes, own_dir, write_file
+from sglang_tierstore.schema import CONF_FIELDS, FORMAT, glob_escape, meta_key, shard_keys, store_keys, store_tag
+from sglang_tierstore.space.geometry import Geometry, needs_new_geometry, region_bytes_for, regions_per_file_for
+from sglang_tierstore.space.library import LIBRARY
+from sglang_tierstore.tags import load_key
 
 logger = logging.getLogger(__name__)
 
@@ -74,14 +68,25 @@ def store_dir(path: str, prefix: str, store_id: str) -> str:
 
 
 @dataclass(frozen=True)
-class Attachment:
-    """A store this process works on: its geometry and its directories here."""
+class Home:
+    """Where the store this process works on lives: its geometry, its directories here,
+    its keys' hash tag and its entry key."""
 
     prefix: str
     geometry: Geometry
     dirs: dict[str, str]  # directory id -> the store's page directory in it
-    tag: str
-    entry_key: bytes  # the store's key for entry tags (:mod:`sglang_tierstore.mac`)
+    tag: str  # the hash tag of its keys (schema.store_tag)
+    entry_key: bytes  # the store's key for entry tags (:mod:`sglang_tierstore.tags`)
+
+    def shard_keys(self, shard: int) -> list[str]:
+        """Every key of a shard, in the order its functions take them."""
+        return shard_keys(self.tag, shard)
+
+    def file_identity(self) -> dict[str, object]:
+        """What the header of each of its page files says of the store."""
+        g = self.geometry
+        return {"format": FORMAT, "prefix": self.prefix, "store": g.store_id, "region_bytes": g.region_bytes,
+                "regions_per_file": g.regions_per_file}
 
 
 @contextmanager
@@ -143,13 +148,6 @@ def find_store(index: RedisIndex, prefix: str, paths: Sequence[str]) -> str:
     return ids[0]
 
 
-def store_keys(tag: str, shards: int) -> list[str]:
-    keys = [meta_key(tag, n) for n in ("meta", "ns", "dirs")]
-    for s in range(shards):
-        keys += shard_keys(tag, s)
-    return keys
-
-
 def drop_legacy(index: RedisIndex, prefix: str, paths: Sequence[str]) -> bool:
     """Drop a store of the layout before regions (its keys and slot files)."""
     p = glob_escape(prefix.encode()).decode()
@@ -191,14 +189,14 @@ def _drop_store(index: RedisIndex, prefix: str, store_id: str, shards: int, path
 
 
 def attach(index: RedisIndex, prefix: str, paths: Sequence[str], capacity: int, shards: int,
-           startup: bool, now: float, access: Modes = PRIVATE) -> Attachment:
+           startup: bool, now: float, access: Modes = PRIVATE) -> Home:
     """Adopt or create the store these directories belong to (see module docstring).
 
     ``startup``: this is the process's first attach, so the store may be re-formatted
     for ``capacity`` and the recorded capacity is set to it. A later attach (the store
     went away under a running process) only adopts or creates.
     """
-    index.register(ALL_SCRIPTS)
+    index.load(LIBRARY)
     with _locked(paths, prefix, access):
         markers = [_read_marker(p, prefix) for p in paths]
         ids = _one_store(markers)
@@ -246,7 +244,7 @@ def attach(index: RedisIndex, prefix: str, paths: Sequence[str], capacity: int, 
                     shutil.rmtree(os.path.join(prefix_dir(p, prefix), other), ignore_errors=True)
         entry_key = load_key(list(dirs.values()), access)
         report_dirs(index, tag, dirs, now)
-    return Attachment(prefix, geometry, dirs, tag, entry_key)
+    return Home(prefix, geometry, dirs, tag, entry_key)
 
 
 def set_capacity(index: RedisIndex, tag: str, geometry: Geometry, capacity: int) -> None:
@@ -280,3 +278,9 @@ def retired_dirs(index: RedisIndex, tag: str, mine: Sequence[str], older_than: f
 
 def forget_dir(index: RedisIndex, tag: str, dir_id: str) -> None:
     index.hdel(meta_key(tag, "dirs"), dir_id)
+
+
+def shard_conf(geometry: Geometry, shard: int, capacity: int) -> dict[str, object]:
+    """A new shard's conf hash (``schema.CONF_FIELDS``)."""
+    return dict(zip(CONF_FIELDS, (geometry.store_id, geometry.capacity_share(capacity, shard), 0, geometry.region_bytes,
+                                  geometry.regions_per_file, geometry.shards, shard, 0, 0)))

@@ -1,4 +1,4 @@
-"""Files no other user can read, directories checked before anything starts, and secrets.
+"""Permissions: files no other user can read, directories checked before anything starts, secrets.
 
 KV pages are derived from users' prompts, and the index decides which bytes are served for
 which key: on a node shared with other users, every directory tierstore creates is 0700 and
@@ -84,20 +84,28 @@ def write_file(path: str, data: bytes, m: Modes, replace: bool = True) -> bool:
         os.unlink(tmp)  # left by a crashed process with our pid
     fd = create_file(tmp, m)
     try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    if replace:
-        os.replace(tmp, path)
-        return True
-    try:
-        os.link(tmp, path)
-        return True
-    except FileExistsError:
-        return False
-    finally:
-        os.unlink(tmp)
+        try:
+            _write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if replace:
+            os.replace(tmp, path)
+            return True
+        try:
+            os.link(tmp, path)
+            return True
+        except FileExistsError:
+            return False
+    finally:  # nothing left under the temporary name, whatever failed (a full disk, EIO)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def check_dirs(paths: Sequence[str], m: Modes) -> list[str]:
@@ -185,7 +193,7 @@ def redis_password(env: str | None, path: str | None) -> str | None:
         return value
     if path is None:
         return None
-    value = _read_config_file("redis_password_file", path, owner_only=True).strip()
+    value = _key_file_text("redis_password_file", path, owner_only=True).strip()
     if not value:
         raise ConfigError(f"tierstore config key 'redis_password_file': {path!r} is empty")
     return value
@@ -213,7 +221,7 @@ def redis_tls(ca_file: str | None, cert_file: str | None, key_file: str | None) 
         raise ConfigError("tierstore config keys 'redis_tls_cert_file' and 'redis_tls_key_file': set both or neither")
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     if ca_file is not None:
-        _read_config_file("redis_tls_ca_file", ca_file, owner_only=False)
+        _key_file_text("redis_tls_ca_file", ca_file, owner_only=False)
         try:
             ctx.load_verify_locations(cafile=ca_file)
         except ssl.SSLError as e:
@@ -221,8 +229,8 @@ def redis_tls(ca_file: str | None, cert_file: str | None, key_file: str | None) 
                 f"tierstore config key 'redis_tls_ca_file': {ca_file!r} holds no PEM certificate ({e.reason or e})"
             ) from None
     if cert_file is not None and key_file is not None:
-        _read_config_file("redis_tls_cert_file", cert_file, owner_only=False)
-        _read_config_file("redis_tls_key_file", key_file, owner_only=True)
+        _key_file_text("redis_tls_cert_file", cert_file, owner_only=False)
+        _key_file_text("redis_tls_key_file", key_file, owner_only=True)
         try:
             ctx.load_cert_chain(cert_file, key_file, password=_no_passphrase(key_file))
         except ssl.SSLError as e:
@@ -243,7 +251,7 @@ def _no_passphrase(key_file: str) -> Callable[[], str]:
     return refuse
 
 
-def _read_config_file(key: str, path: str, owner_only: bool) -> str:
+def _key_file_text(key: str, path: str, owner_only: bool) -> str:
     """The text of the file that config key ``key`` names: ConfigError naming both if it
     cannot be read or, with ``owner_only``, if another user owns it or others can read it."""
     try:

@@ -16,7 +16,7 @@ from conftest import RedisProc, keys
 from engine_kit import MiB, engine, housekeep, pages, read, views
 
 from sglang_tierstore.errors import ConfigError
-from sglang_tierstore.mac import KEY_BYTES, KEY_FILE
+from sglang_tierstore.tags import KEY_BYTES, KEY_FILE
 from sglang_tierstore.schema import ENTRY, entry_field, unpack_entry, unpack_region
 from sglang_tierstore.store import TierStore
 

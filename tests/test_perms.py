@@ -35,7 +35,7 @@ from sglang_tierstore.embedded import (
     socket_path,
     stop_embedded_redis,
 )
-from sglang_tierstore.private import PRIVATE, check_dirs, remove_created, secret
+from sglang_tierstore.perms import PRIVATE, check_dirs, remove_created, secret
 
 NOBODY = 65534
 as_root = pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as a second user")

@@ -1,0 +1,333 @@
+"""The space layer: every decision about where page bytes may go.
+
+Page files are cut into regions (:mod:`.geometry`); a region holds pages of one size
+while in use, and a free region goes to whichever page size needs one. The index keeps,
+per shard, each region's state and slots, writers' leases, recency and capacity, and
+changes them only through the Lua library (:mod:`.library`, one function per job).
+
+Eviction: region-granular LRU across page sizes
+    Each region in use has one recency (the last write or read of any of its pages).
+    When no free region is left, the least recently used region with no slot under
+    lease is reclaimed whole, whatever its page size, and handed to the page size that
+    asked. A page size's share of the store therefore follows its recent use: nothing
+    is reserved per size, and no size can hold space it does not use. Per-size slot LRU
+    gave capacity to whoever came first; page LRU with compaction rewrites live pages
+    and needs a recency record per page. CacheLib's Navy BlockCache does what is done
+    here (regions written append-only, reclaimed whole), without its reinsertion of hot
+    items: a KV prefix is read and written as a unit, so a region's pages age together.
+
+Shards
+    The index may be split into ``shards`` (fixed at creation; default 1). A page
+    belongs to shard ``xxh3(entry field) % shards``; a file, and the regions in it, to
+    shard ``file number % shards``. A batch is cut into one part per shard and each part
+    is one function call, in one pipelined round trip. Every call gets every key of its
+    shard, all under the shard's hash tag, so on Redis/Valkey Cluster it runs on one slot.
+
+Rooms: :mod:`.attach` (which store a path belongs to), :mod:`.leases` (writers' slots),
+:mod:`.files` (page files' lives), :mod:`.housekeeping` (when background work runs).
+This module joins them: :class:`Space` attaches, detaches and closes; an
+:class:`Attachment` reserves slots for a write (adding page files and giving fresh
+regions disk space itself), commits them, takes recency, and drops pages. The page
+files layer below is handed a file ref with each call and never calls back up.
+"""
+
+from __future__ import annotations
+
+import threading
+import time as mod_time
+from typing import Callable, Iterable, Mapping, NamedTuple, Optional, Sequence, Type
+
+from sglang_tierstore.config import TierStoreConfig
+from sglang_tierstore.errors import IndexUnavailable, PageIOError, StoreClosed, StoreDetached, TierStoreError
+from sglang_tierstore.index import RedisIndex
+from sglang_tierstore.metrics import Metrics, RateLimitedLog
+from sglang_tierstore.pagefile import FileRef, PageFiles
+from sglang_tierstore.perms import Modes
+from sglang_tierstore.schema import shard_key, shard_of
+from sglang_tierstore.space import attach
+from sglang_tierstore.space.attach import Home
+from sglang_tierstore.space.files import Files
+from sglang_tierstore.space.geometry import Geometry
+from sglang_tierstore.space.housekeeping import Housekeeper
+from sglang_tierstore.space.leases import Commit, Leases, Reply, Slot
+from sglang_tierstore.tags import EntryTags
+
+LEASE_ROUNDS = 4  # lease calls a reserve may make while it adds page files
+
+
+class Place(NamedTuple):
+    """Where one page of a reservation goes: its slot, file and byte offset there."""
+
+    slot: Slot
+    file: FileRef
+    offset: int
+
+
+def by_shard(fields: Sequence[bytes], shards: int) -> dict[int, list[int]]:
+    """Positions of ``fields`` by the shard each belongs to."""
+    parts: dict[int, list[int]] = {}
+    for i, f in enumerate(fields):
+        parts.setdefault(shard_of(f, shards), []).append(i)
+    return parts
+
+
+class Reservation:
+    """Slots for one write batch, held by this thread from :meth:`Attachment.reserve` to
+    :meth:`commit` (use it as a context manager: housekeeping then knows the writer is
+    busy). Pages it has no place for (every region pinned, pages larger than a region)
+    are not stored; what it places and does not commit goes back to the stock."""
+
+    def __init__(self, a: "Attachment", page_bytes: int, fields: Sequence[bytes]) -> None:
+        self._a = a
+        self.page_bytes = page_bytes
+        self.fields = fields
+        self.parts = by_shard(fields, a.geometry.shards)
+        self.places: dict[int, Place] = {}  # batch position -> place
+        self._lock = a.leases.writing()
+
+    def __enter__(self) -> "Reservation":
+        self._lock.acquire()
+        try:
+            self._place()
+        except BaseException:
+            self._lock.release()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+    def _place(self) -> None:
+        a, pb = self._a, self.page_bytes
+        a.fill_stock(pb, {s: len(idx) for s, idx in self.parts.items()})
+        slots: dict[int, Slot] = {}
+        for s, idx in self.parts.items():
+            slots.update(zip(idx, a.leases.take(s, pb, len(idx))))
+        g = a.geometry
+        refs = a.files.refs({g.file_of(sl.region) for sl in slots.values()})
+        self.places = {i: Place(sl, refs[g.file_of(sl.region)], g.slot_offset(sl.region, sl.slot, pb))
+                       for i, sl in slots.items() if g.file_of(sl.region) in refs}  # the rest: given up at commit
+        self._slots = slots
+        full = len(self.fields) - len(slots)
+        if full:
+            a.metrics.pages("write", "full", full)
+            a.log.warning("full", "no slot for %d page(s) of %d bytes (every region pinned by writers, or pages larger "
+                          "than the store's %d-byte regions)", full, pb, g.region_bytes)
+
+    def commit(self, written: Iterable[int], tails: Mapping[int, bytes], sync: bool) -> dict[int, int]:
+        """Publish the pages at these positions (their pwritevs returned), with their
+        entry tails; every other placed page is given up. A file deleted or replaced
+        under the batch takes no commits; with ``sync`` each file written is
+        fdatasync'ed first. One ``commit`` call per shard, in one round trip. Returns
+        each committed position's status (STORED, EXISTS, NOT_STORED)."""
+        a = self._a
+        ok = set(written) & set(self.places)
+        for ref in {self.places[i].file for i in ok}:
+            try:
+                a.pages.still_there(ref.number)
+                if sync:
+                    a.pages.sync(ref)
+            except PageIOError as e:
+                a.files.failure("io_write", ref.number, e)
+                ok -= {i for i in ok if self.places[i].file == ref}
+        calls = []
+        for s, idx in self.parts.items():
+            done = sorted((i for i in idx if i in ok), key=self._slots.__getitem__)  # runs of slots
+            commits = [Commit(self._slots[i], self.fields[i], tails[i]) for i in done]
+            give_up = sorted((self._slots[i].region, self._slots[i].slot) for i in idx if i in self._slots and i not in ok)
+            calls.append((s, done, commits, give_up, a.leases.stock_target(s, self.page_bytes, len(idx), a.capacity)))
+        try:
+            replies = a.leases.commit(self.page_bytes, [(s, c, gu, want) for s, _, c, gu, want in calls])
+        except IndexUnavailable:
+            for s in self.parts:
+                a.leases.forget_stock(s)  # the next call answers the lease as Redis has it
+            raise
+        status: dict[int, int] = {}
+        for (_, done, _, _, _), rep in zip(calls, replies):
+            status.update(zip(done, rep.status))
+            a.settled(rep)
+        return status
+
+
+class Attachment:
+    """One attachment to a store: what every call works against until the store goes
+    (then :class:`Space` attaches anew and this one answers nothing more)."""
+
+    def __init__(self, home: Home, index: RedisIndex, cfg: TierStoreConfig, modes: Modes, token: str,
+                 clock: Callable[[], float], metrics: Metrics, log: RateLimitedLog, page_files: Type[PageFiles]) -> None:
+        self.home = home
+        self.geometry: Geometry = home.geometry
+        self.tag = home.tag
+        self.index = index
+        self.capacity = cfg.capacity_bytes  # the store's, until a reply from the index tells
+        self.clock = clock
+        self.metrics = metrics
+        self.log = log
+        self.tags = EntryTags(home.entry_key)
+        self.pages = page_files(home.file_identity(), home.dirs, cfg.o_direct, modes)
+        self.leases = Leases(index, home, ",".join(home.dirs), cfg.lease_s, token, clock)
+        self.files = Files(index, home, self.pages, self.leases, metrics, log, clock)
+        self._touch: dict[int, dict[int, float]] = {}
+        self._lock = threading.Lock()
+
+    def shard_keys(self, shard: int) -> list[str]:
+        """Every key of a shard, in the order its functions take them."""
+        return self.home.shard_keys(shard)
+
+    def key(self, shard: int, name: str) -> str:
+        """One key of a shard by its name in ``schema.SHARD_KEYS``."""
+        return shard_key(self.tag, shard, name)
+
+    # -- writes ------------------------------------------------------------------------
+
+    def reserve(self, page_bytes: int, fields: Sequence[bytes]) -> Reservation:
+        """Slots for a batch of pages of this size (``with a.reserve(...) as r:``),
+        leased, consecutive where the stock is: a page file is added where no region is
+        left without one, and fresh regions get their disk space, here."""
+        return Reservation(self, page_bytes, fields)
+
+    def fill_stock(self, page_bytes: int, need: Mapping[int, int]) -> None:
+        """Make this thread's stock hold ``need[shard]`` slots of this size where it can:
+        one lease call for every short shard; more only to add page files."""
+        for _ in range(LEASE_ROUNDS):
+            short = {s: n for s, n in need.items() if self.leases.stocked(s, page_bytes) < n}
+            if not short:
+                return
+            retry = False
+            for s, rep in self.leases.lease(page_bytes, short).items():
+                self.settled(rep)
+                if rep.too_big:
+                    self.metrics.pages("write", "too_big", short[s])
+                    return
+                if rep.need_file:
+                    self.files.add(s)
+                    retry = True
+            if not retry:
+                return
+
+    def settled(self, rep: Reply) -> None:
+        """After a lease or commit call: count its evictions, give its fresh regions space."""
+        self.metrics.housekeeping("evicted", rep.evicted)
+        self.metrics.housekeeping("pages_evicted", rep.pages_evicted)
+        self.files.allocate(rep.fresh)
+
+    # -- pages -------------------------------------------------------------------------
+
+    def touch(self, regions: Iterable[int]) -> None:
+        """These regions were just used: their recency goes to the index with the next
+        housekeeping pass (one ZADD XX GT per shard)."""
+        now = self.clock()
+        g = self.geometry
+        with self._lock:
+            for r in regions:
+                self._touch.setdefault(g.shard_of_region(r), {})[r] = now
+
+    def flush_touches(self) -> None:
+        with self._lock:
+            pending, self._touch = self._touch, {}
+        for shard, regions in pending.items():
+            self.index.zadd_newer(self.key(shard, "lru"), regions)
+
+    def drop(self, entries: Sequence[tuple[bytes, bytes]]) -> int:
+        """Drop (entry field, value seen or b'': any) pairs whose entry still holds that
+        value; their slots are dead. One ``drop`` call per shard; returns how many."""
+        parts = by_shard([f for f, _ in entries], self.geometry.shards)
+        calls = [("drop", self.shard_keys(s), [self.geometry.store_id, *(x for i in idx for x in entries[i])])
+                 for s, idx in parts.items()]
+        return sum(int(n) for n in self.index.calls(calls)) if calls else 0
+
+    def close(self) -> int:
+        """Send the last recency updates, give idle leases back and close the page files;
+        the number of leases kept (a writer mid-batch: they expire)."""
+        try:
+            self.flush_touches()
+            return self.leases.release_all()
+        finally:
+            self.pages.close()
+
+
+class Space:
+    """Where bytes may go in the store a process's config names: attached on first use,
+    attached anew when the store goes from the index, and housekept."""
+
+    def __init__(self, cfg: TierStoreConfig, index: RedisIndex, modes: Modes, token: str, metrics: Metrics,
+                 log: RateLimitedLog, clock: Callable[[], float] = mod_time.time, startup: bool = True,
+                 page_files: Type[PageFiles] = PageFiles) -> None:
+        """``startup``: this process owns the store's settings, so its first attach may
+        re-format the store for ``cfg.capacity_gb`` and records that capacity (a server).
+        False: join the store as it is (an operator's tool). ``page_files``: the class
+        that moves bytes (tests inject one that fails or waits)."""
+        self.cfg = cfg
+        self.index = index
+        self.modes = modes
+        self.metrics = metrics
+        self.log = log
+        self.clock = clock
+        self.housekeeping = Housekeeper(self)
+        self._token = token
+        self._page_files = page_files
+        self._startup = startup
+        self._att: Optional[Attachment] = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self._listeners: list[Callable[[Attachment], None]] = []
+
+    def on_attach(self, fn: Callable[[Attachment], None]) -> None:
+        """Call ``fn`` with every new attachment (the store registers its namespaces)."""
+        self._listeners.append(fn)
+
+    def attached(self) -> Attachment:
+        """The store this process works on, attaching first if needed."""
+        a = self._att
+        if a is not None:
+            return a
+        with self._lock:
+            if self._closed:
+                raise StoreClosed("the store is closed")
+            if self._att is None:
+                cfg = self.cfg
+                home = attach.attach(self.index, cfg.redis_prefix, cfg.path, cfg.capacity_bytes, cfg.index_shards,
+                                     startup=self._startup, now=self.clock(), access=self.modes)
+                self._startup = False
+                a = Attachment(home, self.index, cfg, self.modes, self._token, self.clock, self.metrics, self.log,
+                               self._page_files)
+                for fn in self._listeners:
+                    fn(a)
+                self._att = a
+            return self._att
+
+    def detach(self, e: StoreDetached, a: Optional[Attachment] = None) -> None:
+        """The store is gone from the index: drop the attachment (``a``, or whatever is
+        current); the next call attaches again."""
+        with self._lock:
+            if self._att is not None and (a is None or self._att is a):
+                self._att.pages.close()
+                self._att = None
+        self.metrics.error("store_detached")
+        self.log.warning("detached", "%s; attaching again", e)
+
+    def set_capacity(self, capacity: int) -> None:
+        """Change the store's capacity (bytes) while running: housekeeping in every
+        process evicts down to it and punches the space out of the files."""
+        a = self.attached()
+        attach.set_capacity(self.index, a.tag, a.geometry, capacity)
+        a.capacity = capacity
+        self.cfg = self.cfg.with_capacity(capacity)  # a store created anew gets it too
+
+    def close(self, timeout: Optional[float] = None) -> bool:
+        """Stop housekeeping (waiting for a pass in progress at most ``timeout`` s, None:
+        5 s), then close the attachment (:meth:`Attachment.close`); later calls raise
+        :class:`StoreClosed`. True if housekeeping stopped and no lease was kept."""
+        stopped = self.housekeeping.stop(5.0 if timeout is None else timeout)
+        with self._lock:
+            if self._closed:
+                return stopped
+            self._closed = True
+            a, self._att = self._att, None
+        kept = 0
+        if a is not None:
+            try:
+                kept = a.close()
+            except TierStoreError as e:  # the leases expire; recency updates are a hint
+                self.log.warning("close", "giving the leases back on close failed: %s", e)
+        return stopped and not kept

@@ -1,0 +1,118 @@
+"""Housekeeping: the space's work off the hot path, and when it runs.
+
+Every ``housekeeping_s`` a pass sends the batched recency updates, forgets page files
+found gone, and sweeps every shard: expires dead writers' leases (renewing ours),
+shrinks to capacity (punching the space out of the files), and, once the store is full,
+evicts the least recently used regions until ``free_target`` of them are free, so that
+writes seldom evict inline. Every ``audit_s`` (first in its pass) the page files are
+audited (:meth:`Files.audit`). Each sweep call handles at most ``MAX_WORK`` regions or
+leases; a pass repeats them while they do that much. Eviction moves index entries and
+never waits on a file, so no single bad file can wedge it.
+
+A pass with nothing to do costs one ``sweep`` call per shard (and the audit's reads
+every ``audit_s``). Tests drive :meth:`Housekeeper.run_once` with an injected clock.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Callable, Optional
+
+from sglang_tierstore.errors import IndexUnavailable, StoreDetached, TierStoreError
+from sglang_tierstore.io_engine import name_os_thread
+
+if TYPE_CHECKING:
+    from sglang_tierstore.space import Attachment, Space
+
+MAX_WORK = 256  # regions or leases handled per shard and call: bounds each call
+DIR_RETIRE_LEASES = 10  # a directory no process reported for this many lease_s is forgotten
+
+
+class Housekeeper:
+    """One space's housekeeping: :meth:`run_once`, and a daemon thread that calls it."""
+
+    def __init__(self, space: "Space") -> None:
+        self.space = space
+        self._on_index_down: Optional[Callable[[], None]] = None
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._next_audit = 0.0
+
+    @property
+    def audit_s(self) -> float:
+        return min(5.0, self.space.cfg.lease_s / 2)
+
+    def run_once(self, audit: Optional[bool] = None) -> None:
+        """One pass; ``audit`` forces (True) or skips (False) the file audit. Index
+        trouble ends the pass (logged); nothing raises."""
+        space = self.space
+        a: Optional["Attachment"] = None
+        try:
+            a = space.attached()
+            a.flush_touches()
+            now = space.clock()
+            if audit or (audit is None and now >= self._next_audit):
+                self._next_audit = now + self.audit_s
+                a.files.audit(DIR_RETIRE_LEASES * space.cfg.lease_s)
+            a.files.forget_lost(MAX_WORK)
+            while self.sweep(a) >= MAX_WORK:
+                pass  # shrinking a lot at once: keep going, a bounded call at a time
+        except IndexUnavailable as e:
+            space.log.warning("housekeeping", "housekeeping skipped: %s", e)
+            if self._on_index_down is not None:
+                self._on_index_down()
+        except StoreDetached as e:
+            space.detach(e, a)
+        except TierStoreError as e:
+            space.metrics.error("housekeeping")
+            space.log.warning("housekeeping", "housekeeping failed: %s", e)
+
+    def sweep(self, a: "Attachment") -> int:
+        """One sweep call per shard; the regions and leases handled in all."""
+        space, leases, g = self.space, a.leases, a.geometry
+        work = draining = 0
+        for s in range(g.shards):
+            now = space.clock()
+            ours = leases.lease_ids()
+            raw = space.index.call("sweep", a.shard_keys(s),
+                                   [g.store_id, repr(now), repr(now + space.cfg.lease_s), a.files.dirs,
+                                    repr(space.cfg.free_target), MAX_WORK, repr(now - space.cfg.lease_s), len(ours), *ours])
+            expired, slots, evicted, pages, drain, npunch = (int(x) for x in raw[:6])
+            leases.renewed(s, now, {x.decode() if isinstance(x, bytes) else str(x) for x in raw[6 + npunch :]})
+            space.metrics.housekeeping("leases_expired", expired)
+            space.metrics.housekeeping("slots_reclaimed", slots)
+            space.metrics.housekeeping("evicted", evicted)
+            space.metrics.housekeeping("pages_evicted", pages)
+            punched = a.files.punch(int(x) for x in raw[6 : 6 + npunch])
+            if punched:
+                space.metrics.housekeeping("deallocated", int(space.index.call("punched", a.shard_keys(s),
+                                                                               [g.store_id, *punched])))
+            draining += drain
+            work += expired + evicted + len(punched)
+        space.metrics.housekeeping("stocks_tidied", leases.tidy(draining > 0))
+        return work
+
+    def _loop(self) -> None:
+        name_os_thread("tierstore-hk")
+        while not self._stop.wait(self.space.cfg.housekeeping_s):
+            try:
+                self.run_once()
+            except Exception as e:  # never let the thread die: it is how the store heals
+                self.space.metrics.error("internal")
+                self.space.log.exception("internal:housekeeping", "housekeeping crashed; continuing", exc=e)
+
+    def start(self, on_index_down: Optional[Callable[[], None]] = None) -> None:
+        """Run a pass every ``housekeeping_s`` in a daemon thread; ``on_index_down`` is
+        called when a pass finds the index unreachable (the adapter restarts an embedded
+        Redis that died)."""
+        self._on_index_down = on_index_down
+        self._thread = threading.Thread(target=self._loop, name="tierstore-housekeeping", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> bool:
+        """Stop after the pass in progress, waiting for it at most ``timeout`` s (one stuck
+        on a stalled disk ends on its own). True if the thread has exited."""
+        self._stop.set()
+        if self._thread is not None and self._thread.is_alive():
+            self._thread.join(timeout)
+        return self._thread is None or not self._thread.is_alive()

@@ -1,0 +1,316 @@
+"""Writers' leases and the slots each writer holds: the Python side of ``leases.lua``.
+
+A region is filled append-only (``fill`` counts slots handed out). A writer takes slots
+from its own stock: a lease (``leases``: ranges of slots; ``deadlines``: expiry), one
+per writing thread, so two threads never pick the same slots. A batch takes consecutive
+slots from its stock, writes, then one ``commit`` call publishes the entries, gives up
+the slots it could not use and tops the stock up for the next batch: a write is one
+round trip once a stock exists. A writer that dies holds its stock until the lease
+expires; then those slots count as dead (or return to the region if they were its
+last). Slots never leave a region except with the whole region, so accounting stays
+exact: ``fill = live + leased + dead`` for every region. A region with a slot under
+lease is never reclaimed; one that must leave drains.
+
+Policy here: a stock is the size of the last batch, but never more than 1/16 of the
+shard's capacity (a stock holds space while it waits); a stock is trusted only while
+its lease was renewed within half its term (housekeeping renews it every pass).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, NamedTuple, Optional, Sequence
+
+from sglang_tierstore.index import RedisIndex
+from sglang_tierstore.schema import NEED_FILE, TOO_BIG, round_up
+from sglang_tierstore.space.attach import Home
+
+STOCK_SHARE = 16  # a stock holds at most 1/STOCK_SHARE of a shard's capacity
+
+
+class Range(NamedTuple):
+    """Consecutive slots of one region, leased to one writer."""
+
+    region: int
+    start: int
+    slots: int
+    page_bytes: int
+    gen: int  # the region's generation: part of each entry's tag
+
+
+class Slot(NamedTuple):
+    region: int
+    slot: int
+    gen: int
+
+
+class Commit(NamedTuple):
+    """A page to publish: its slot, entry field and entry tail (checksum and tag)."""
+
+    slot: Slot
+    field: bytes
+    tail: bytes
+
+
+class Reply(NamedTuple):
+    """What a ``lease`` or ``commit`` call answered for one shard."""
+
+    status: list[int]  # per page committed: STORED, EXISTS (its slot is dead) or NOT_STORED
+    stock: list[Range]  # the lease's slots after the call
+    fresh: list[int]  # regions just allocated: they need disk space before use
+    need_file: bool  # no region left without a new page file
+    too_big: bool  # the page size does not fit a region
+    evicted: int
+    pages_evicted: int
+    capacity_regions: int  # the shard's capacity as the index has it now
+
+
+class _Stock:
+    """One writing thread's lease and the slots it holds, per shard. ``lock`` is held
+    for a whole write (slots taken, written, committed), so housekeeping can tell an idle
+    writer from a busy one."""
+
+    __slots__ = ("lease", "thread", "lock", "ranges", "epoch", "renewed")
+
+    def __init__(self, lease: str, epoch: int) -> None:
+        self.lease = lease
+        self.thread = threading.current_thread()
+        self.lock = threading.RLock()
+        self.ranges: dict[int, list[Range]] = {}
+        self.epoch = epoch
+        self.renewed: dict[int, float] = {}  # shard -> when its lease was last renewed
+
+
+class Leases:
+    """This process's leases in one store, and the calls that move slots between them
+    and the regions. Knows regions and slots, not keys or files."""
+
+    def __init__(self, index: RedisIndex, home: Home, dirs: str, lease_s: float, token: str,
+                 clock: Callable[[], float]) -> None:
+        self.index = index
+        self.geometry = home.geometry
+        self.dirs = dirs  # this process's directory ids (csv): which regions it can use
+        self.lease_s = lease_s
+        self.clock = clock
+        self._keys = [home.shard_keys(s) for s in range(home.geometry.shards)]
+        self._token = token
+        self._local = threading.local()
+        self._stocks: dict[str, _Stock] = {}
+        self._next = 0
+        self._lock = threading.Lock()
+        self._epoch = 0  # bumped when slots of some stock may have been taken away (a file lost)
+        self.capacity_regions = [0] * home.geometry.shards  # per shard, as the last reply said (0: none yet)
+
+    # -- stocks ------------------------------------------------------------------------
+
+    def _mine(self) -> _Stock:
+        st: Optional[_Stock] = getattr(self._local, "stock", None)
+        if st is None:
+            with self._lock:
+                st = _Stock(f"{self._token}.{self._next}", self._epoch)
+                self._next += 1
+                self._stocks[st.lease] = st
+            self._local.stock = st
+        if st.epoch != self._epoch:  # start over from what the lease holds in Redis
+            st.ranges, st.epoch = {}, self._epoch
+        return st
+
+    def writing(self) -> threading.RLock:
+        """Held (as a context manager) around a write: from taking slots to their commit."""
+        return self._mine().lock
+
+    def _stock(self, shard: int) -> list[Range]:
+        """This thread's slots in a shard, if its lease there was renewed within half its
+        term: a writer that stalled longer may have lost the lease, and its slots with it,
+        so it starts over from what the next call answers."""
+        mine = self._mine()
+        if self.clock() - mine.renewed.get(shard, -1e18) > self.lease_s / 2:
+            mine.ranges[shard] = []
+        return mine.ranges.setdefault(shard, [])
+
+    def invalidate(self) -> None:
+        """Every thread drops its stock before its next batch (slots may have been taken
+        away: a file lost); the next call answers what each lease holds."""
+        self._epoch += 1
+
+    def forget_stock(self, shard: int) -> None:
+        """After a call whose outcome is unknown: start over from what the lease holds."""
+        self._stock(shard).clear()
+
+    def stocked(self, shard: int, page_bytes: int) -> int:
+        return sum(r.slots for r in self._stock(shard) if r.page_bytes == page_bytes)
+
+    def stock_target(self, shard: int, page_bytes: int, n: int, capacity: int) -> int:
+        """Slots to keep in stock after a batch of ``n``: the same again, but never more
+        than 1/16 of the shard's capacity (``capacity``: the store's, until a reply told)."""
+        g = self.geometry
+        regions = self.capacity_regions[shard] or g.capacity_share(capacity, shard)
+        return max(1, min(n, regions * g.region_bytes // STOCK_SHARE // round_up(page_bytes)))
+
+    def take(self, shard: int, page_bytes: int, n: int) -> list[Slot]:
+        """Up to ``n`` slots of this size from this thread's stock, in order (consecutive
+        where the stock is)."""
+        out: list[Slot] = []
+        stock = self._stock(shard)
+        kept: list[Range] = []
+        for rg in stock:
+            if rg.page_bytes == page_bytes and len(out) < n:
+                k = min(n - len(out), rg.slots)
+                out.extend(Slot(rg.region, rg.start + j, rg.gen) for j in range(k))
+                if k < rg.slots:
+                    kept.append(rg._replace(start=rg.start + k, slots=rg.slots - k))
+            else:
+                kept.append(rg)
+        stock[:] = kept
+        return out
+
+    # -- calls -------------------------------------------------------------------------
+
+    def _head(self, lease: str) -> list[Any]:
+        now = self.clock()
+        return [self.geometry.store_id, lease, repr(now), repr(now + self.lease_s), self.dirs]
+
+    def _answered(self, mine: _Stock, shards: Sequence[int], sent: float, outs: Sequence[Any]) -> list[Reply]:
+        replies = [_reply(o) for o in outs]
+        for s, rep in zip(shards, replies):
+            mine.ranges[s] = rep.stock
+            mine.renewed[s] = sent
+            self.capacity_regions[s] = rep.capacity_regions
+        return replies
+
+    def lease(self, page_bytes: int, want: dict[int, int]) -> dict[int, Reply]:
+        """Lease slots of this size, up to ``want[shard]`` in this thread's stock, evicting
+        where nothing is free (they are needed now): one round trip for every shard."""
+        mine = self._mine()
+        with mine.lock:
+            sent = self.clock()
+            shards = list(want)
+            outs = self.index.calls([("lease", self._keys[s], [*self._head(mine.lease), page_bytes, want[s]])
+                                     for s in shards])
+            return dict(zip(shards, self._answered(mine, shards, sent, outs)))
+
+    def commit(self, page_bytes: int, calls: Sequence[tuple[int, Sequence[Commit], Sequence[tuple[int, int]], int]]
+               ) -> list[Reply]:
+        """One ``commit`` per (shard, commits, give-ups, slots wanted in stock afterwards),
+        in one round trip.
+
+        commits: pages written, in slot order (consecutive slots of a region travel, and
+        are committed, as one run); give-ups: (region, slot) written in vain. Statuses come
+        back in the order of the commits. Each reply's stock replaces this thread's for
+        that shard (the slots taken by :meth:`take` are gone from both)."""
+        mine = self._mine()
+        with mine.lock:
+            sent = self.clock()
+            outs = self.index.calls([("commit", self._keys[s], self._commit_args(mine.lease, page_bytes, c, gu, want))
+                                     for s, c, gu, want in calls])
+            return self._answered(mine, [s for s, _, _, _ in calls], sent, outs)
+
+    def _commit_args(self, lease: str, page_bytes: int, commits: Sequence[Commit], give_up: Sequence[tuple[int, int]],
+                     want: int) -> list[Any]:
+        runs = _runs([(c.slot.region, c.slot.slot) for c in commits])
+        args: list[Any] = [*self._head(lease), page_bytes, want, len(runs)]
+        for a, b in runs:
+            first = commits[a].slot
+            args += [first.region, first.gen, first.slot, b - a, b"".join(c.field for c in commits[a:b]),
+                     b"".join(c.tail for c in commits[a:b])]
+        gruns = _runs(give_up)
+        args.append(len(gruns))
+        for a, b in gruns:
+            args += [give_up[a][0], give_up[a][1], b - a]
+        return args
+
+    def tidy(self, draining: bool) -> int:
+        """Housekeeping of stocks: a thread that exited gives its whole lease back; with
+        regions ``draining``, an idle thread gives back its slots in them (a busy one does
+        at its next commit). Returns how many stocks were tidied."""
+        with self._lock:
+            stocks = list(self._stocks.values())
+        done = 0
+        for st in stocks:
+            gone = not st.thread.is_alive()
+            if not gone and not draining:
+                continue
+            if not st.lock.acquire(blocking=False):
+                continue  # writing now: its commit settles its slots
+            try:
+                if gone:
+                    self._release(st)
+                    with self._lock:
+                        self._stocks.pop(st.lease, None)
+                else:
+                    for shard in list(st.ranges):
+                        out = self.index.call("release_draining", self._keys[shard],
+                                              [self.geometry.store_id, st.lease, repr(self.clock() + self.lease_s)])
+                        st.ranges[shard] = _stock(out)
+                done += 1
+            finally:
+                st.lock.release()
+        return done
+
+    def _release(self, st: _Stock) -> None:
+        """Give a lease back whole, in every shard (caller holds its lock)."""
+        self.index.calls([("release", keys, [self.geometry.store_id, st.lease]) for keys in self._keys])
+        st.ranges = {}
+
+    def release_all(self) -> int:
+        """Give every idle lease of this process back (on close): its unused slots are
+        not held until they expire. A lease whose writer is mid-batch is kept (giving its
+        slots away while its pwritev may still land could overwrite another's page): it
+        expires. Returns how many were kept."""
+        with self._lock:
+            stocks = list(self._stocks.values())
+        kept = 0
+        for st in stocks:
+            if not st.lock.acquire(blocking=False):
+                kept += 1
+                continue
+            try:
+                self._release(st)
+            finally:
+                st.lock.release()
+        return kept
+
+    # -- renewal (housekeeping's sweep) ------------------------------------------------
+
+    def lease_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._stocks)
+
+    def renewed(self, shard: int, at: float, gone: set[str]) -> None:
+        """A sweep renewed this process's leases in a shard at ``at``, except those in
+        ``gone`` (expired meanwhile: their slots may be someone else's by now)."""
+        with self._lock:
+            stocks = list(self._stocks.values())
+        for st in stocks:
+            if st.lease in gone:
+                with st.lock:
+                    st.ranges[shard] = []
+                    st.renewed.pop(shard, None)
+            else:
+                st.renewed[shard] = at
+
+
+def _runs(slots: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """[start, end) index ranges of ``slots`` that are consecutive slots of one region."""
+    out: list[tuple[int, int]] = []
+    start = 0
+    for k in range(1, len(slots) + 1):
+        if k == len(slots) or slots[k][0] != slots[k - 1][0] or slots[k][1] != slots[k - 1][1] + 1:
+            out.append((start, k))
+            start = k
+    return out
+
+
+def _stock(flat: Sequence[Any]) -> list[Range]:
+    nums = [int(x) for x in flat]
+    return [Range(*nums[j : j + 5]) for j in range(0, len(nums), 5)]
+
+
+def _reply(out: Sequence[Any]) -> Reply:
+    flags, evicted, pages, cap, n = (int(x) for x in out[:5])
+    status = [int(x) for x in out[5 : 5 + n]]
+    k = 5 + n
+    nfresh = int(out[k])
+    fresh = [int(x) for x in out[k + 1 : k + 1 + nfresh]]
+    return Reply(status, _stock(out[k + 1 + nfresh :]), fresh, bool(flags & NEED_FILE), bool(flags & TOO_BIG), evicted,
+                 pages, cap)
