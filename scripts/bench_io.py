@@ -267,8 +267,8 @@ def tierstore_rounds(path: str, redis_url: str, pool: Any, threads: int, v2: boo
     in_use(be)
     for _ in range(4):  # every region written once: rounds overwrite, as the disk rounds do
         assert all(be.batch_set_v1([sgl_key() for _ in range(BATCH)], src))
-        be.store.clear([be._pool("kv").ns])
-    info["o_direct_zero_copy"] = be._pool("kv").plan.aligned
+        be.store.clear([be.namespace()])
+    info["o_direct_zero_copy"] = be.zero_copy()
     redis_s = count_redis_time(be)
     write_redis_ms: list[float] = []
     read_redis_ms: list[float] = []
@@ -297,7 +297,7 @@ def tierstore_rounds(path: str, redis_url: str, pool: Any, threads: int, v2: boo
                 warm = timed(lambda: out.append(get_()))
             assert all(all(x) for x in out), "a tierstore call failed during the benchmark"
             yield w, cold, warm
-            be.store.clear([be._pool("kv").ns])  # frees their regions: the next round reuses them, as a full store reuses evicted ones
+            be.store.clear([be.namespace()])  # frees their regions: the next round reuses them, as a full store reuses evicted ones
     finally:
         info["write_redis_ms"] = stats(write_redis_ms) if write_redis_ms else None
         info["read_redis_ms"] = stats(read_redis_ms) if read_redis_ms else None
@@ -369,7 +369,7 @@ def cycle_rounds(path: str, redis_url: str, pool: Any, other: Any, threads: int)
     cap = 4 * BATCH * (page_bytes(pool) + page_bytes(other)) / (1 << 30)
     be = backend(d, redis_url, threads, capacity_gb=cap)
     be.register_mem_pool_host(pool)
-    ns = be._pool("kv").ns
+    ns = be.namespace()
     src, dst = page_indices(range(BATCH), pool.page_size), page_indices(range(BATCH, 2 * BATCH), pool.page_size)
     written: list[list[str]] = []
 
@@ -439,7 +439,7 @@ def bench_probe(path: str, redis_url: str, repeat: int) -> dict[str, Any]:
 
         r = redis.Redis.from_url(redis_url)
         a = be.store.attached()
-        ns = be._pool("kv").ns
+        ns = be.namespace()
         fields = [entry_field(ns.ns_id, k) for k in keys]
         entries = a.alloc.key(0, "entries")
         names = [f"{{{a.att.tag}:0}}:".encode() + f for f in fields]  # string keys as long as a shard key + field

@@ -72,7 +72,7 @@ def rounds(be: TierStoreBackend, d: str, pool: Any, repeat: int, rng: random.Ran
     """GB/s of cold and warm reads of the same batches, each read both ways in turn."""
     ps = pool.page_size
     src, dst = page_indices(list(range(BATCH)), ps), page_indices(list(range(BATCH, 2 * BATCH)), ps)
-    ns = be._pool("kv").ns
+    ns = be.namespace()
     for _ in range(4):  # every region written once: rounds overwrite, as a store in use does
         assert all(be.batch_set_v1([sgl_key() for _ in range(BATCH)], src))
         be.store.clear([ns])
@@ -126,7 +126,7 @@ def main() -> int:
                 with backend(d, url, a.threads, capacity_gb=4 * BATCH * size / (1 << 30), o_direct=o_direct) as be:
                     be.register_mem_pool_host(pool)
                     row[store] = rounds(be, d, pool, a.repeat, rng)
-                    row[store]["zero_copy_o_direct"] = o_direct and be._pool("kv").plan.aligned
+                    row[store]["zero_copy_o_direct"] = o_direct and be.zero_copy()
                 shutil.rmtree(d, ignore_errors=True)
             row["copy_us_per_page"], row["regions_per_page"] = copy_us_per_page(pool, a.repeat)
             del pool, raw

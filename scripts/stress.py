@@ -67,7 +67,7 @@ sys.path.insert(0, os.path.dirname(HERE))  # the package next to this script
 from sglang_tierstore import IndexUnavailable, TierStore, TierStoreConfig  # noqa: E402
 from sglang_tierstore.config import redact_url  # noqa: E402
 from sglang_tierstore.embedded import ensure_embedded_redis, pid_file  # noqa: E402
-from sglang_tierstore.eviction import Housekeeper  # noqa: E402
+from sglang_tierstore import inspect  # noqa: E402
 from sglang_tierstore.index import RedisIndex  # noqa: E402
 from sglang_tierstore.perms import modes  # noqa: E402
 from sglang_tierstore.store import Namespace  # noqa: E402
@@ -281,8 +281,7 @@ def run_worker(job: Job, busy: Any) -> None:
     and a report of its counts every second."""
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s w{job.slot}.{job.life} %(message)s")
     store = TierStore(TierStoreConfig.from_dict(job.cfg), job.url)
-    hk = Housekeeper(store)
-    hk.start()
+    store.start_housekeeping()
     nss = namespaces(store, job.workload.sizes)
     keys = {s: keys_for(s, n) for s, n in zip(job.workload.sizes, job.workload.keys_per_size)}
     tally = Tally()
@@ -298,7 +297,7 @@ def run_worker(job: Job, busy: Any) -> None:
         report()
         tally.urgent.wait(REPORT_S)
         tally.urgent.clear()
-    hk.stop()
+    store.space.housekeeping.stop()
     store.close()
     report()
 
@@ -394,7 +393,6 @@ class Run:
         self.redis_loading_s: list[float] = []  # from listening to serving (loading the AOF)
         self.end_at = 0.0
         self.store = TierStore(TierStoreConfig.from_dict(self.cfg), self.url)
-        self.hk = Housekeeper(self.store)
         self.nss = namespaces(self.store, self.workload.sizes)
         self.keys = {s: keys_for(s, n) for s, n in zip(self.workload.sizes, self.workload.keys_per_size)}
         means = {"kill": a.kill_every, "redis": a.redis_every, "flip": a.flip_every, "capacity": a.capacity_every}
@@ -481,7 +479,7 @@ class Run:
         candidates = self.rnd.sample(hot, min(64, len(hot)))
         try:
             stored = [k for k, f in zip(candidates, self.store.exists([(ns, candidates)])[0]) if f]
-            where = self.store.where(ns, self.rnd.choice(stored)) if stored else None
+            where = inspect.where(self.store, ns, self.rnd.choice(stored)) if stored else None
         except IndexUnavailable:
             return
         if where is not None:
@@ -504,7 +502,7 @@ class Run:
 
     def set_capacity(self, cap: int) -> bool:
         try:
-            self.store.set_capacity(cap)
+            self.store.space.set_capacity(cap)
         except IndexUnavailable:
             return False
         self.current_capacity = cap
@@ -547,7 +545,7 @@ class Run:
         """The timed part: workers running, faults injected, progress shown."""
         start = time.time()
         self.end_at = start + self.a.seconds
-        self.hk.start()
+        self.store.start_housekeeping()
         for slot in range(self.a.procs):
             self.start_worker(slot)
         self.next_at = {f: start + self.rnd.expovariate(1 / m) for f, m in self.means.items()}
@@ -582,15 +580,15 @@ class Run:
                 w.proc.join()
             elif w.proc.exitcode != 0:
                 self.faults["worker_crashes"] += 1
-        self.hk.stop()
+        self.store.space.housekeeping.stop()
         self.wait_for_index()
-        self.store.set_capacity(self.capacity)
+        self.store.space.set_capacity(self.capacity)
 
     def wait_for_index(self) -> None:
         deadline = time.monotonic() + 60
         while True:
             try:
-                self.store.usage()
+                inspect.usage(self.store)
                 return
             except IndexUnavailable:
                 if time.monotonic() > deadline:
@@ -603,12 +601,12 @@ class Run:
         scrub(self.store, self.nss, self.keys, tally)
         deadline = time.monotonic() + 3 * self.a.lease_s + 30
         while True:
-            Housekeeper(self.store).run_once(audit=True)
-            leases = self.store.usage()["leases"]
+            self.store.space.housekeeping.run_once(audit=True)
+            leases = inspect.usage(self.store)["leases"]
             if leases == 0 or time.monotonic() > deadline:
                 break
             time.sleep(min(1.0, self.a.lease_s / 4))
-        problems = self.store.check()
+        problems = inspect.check(self.store)
         return {**tally.snapshot(), "leases_left": leases, "check_problems": problems}
 
     def close(self) -> None:

@@ -217,6 +217,16 @@ class TierStoreBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
         }
         return fields
 
+    def namespace(self, pool: str = KV) -> Namespace:
+        """The namespace a registered host pool's pages are stored in (LookupError if none)."""
+        return self._pool(pool).ns
+
+    def zero_copy(self, pool: str = KV) -> bool:
+        """Whether this pool's pages move straight between host memory and the page files
+        with O_DIRECT (its layout is page-aligned); else through the page cache or copies."""
+        p = self._pool(pool)
+        return p.plan is not None and p.plan.aligned
+
     def _pool(self, name: str) -> _Pool:
         pool = self._pools.get(name)
         if pool is None:

@@ -23,9 +23,9 @@ from conftest import RedisProc, keys
 from engine_kit import MiB, engine, housekeep, pages, read, views
 from pools import fill, mha_pool, page_bytes, page_indices, storage_config
 
-from sglang_tierstore import ConfigError, TierStoreBackend, TierStoreError
-from sglang_tierstore.allocator import ALL_SCRIPTS
+from sglang_tierstore import ConfigError, TierStoreBackend, TierStoreError, inspect
 from sglang_tierstore.index import ACL_COMMANDS, acl_rule
+from sglang_tierstore.space.library import LIBRARY
 
 ROOT = Path(__file__).resolve().parent.parent
 USER, USER_PW, ADMIN_PW = "tierstore", "user-pw-5b1e9c", "admin-pw-77d0aa"
@@ -177,10 +177,10 @@ def key_body(path: Path) -> str:
 # -- ACL users ------------------------------------------------------------------------------
 
 
-def test_the_acl_rule_allows_every_command_the_scripts_call() -> None:
-    called = {c.lower() for text in ALL_SCRIPTS.values() for c in re.findall(r"redis\.p?call\(\s*['\"](\w+)", text)}
+def test_the_acl_rule_allows_every_command_the_library_calls() -> None:
+    called = {c.lower() for c in re.findall(r"redis\.p?call\(\s*['\"](\w+)", LIBRARY.code)}
     assert called and called <= set(ACL_COMMANDS), called - set(ACL_COMMANDS)
-    assert not re.search(r"redis\.p?call\(\s*[^'\"\s]", "\n".join(ALL_SCRIPTS.values()))  # no computed command names
+    assert not re.search(r"redis\.p?call\(\s*[^'\"\s]", LIBRARY.code)  # no computed command names
 
 
 def test_the_readme_and_the_deploy_config_show_the_acl_rule() -> None:
@@ -209,10 +209,10 @@ def test_an_acl_user_with_only_the_rule_does_everything_the_engine_does(
         ok, got = read(st, ns, ks[-4:])
         assert ok == [True] * 4 and got == pages(15, 65536, 45)[-4:]
         housekeep(st)
-        assert st.check(fix=True) == []
-        st.set_capacity(1 * MiB)
+        assert inspect.check(st, fix=True) == []
+        st.space.set_capacity(1 * MiB)
         housekeep(st)
-        assert st.usage()["pages"] > 0 and st.page_sizes() and st.stats()["pages_evicted"]
+        assert inspect.usage(st)["pages"] > 0 and inspect.page_sizes(st) and st.stats()["pages_evicted"]
         assert st.delete(ns, ks[-2:]) == 2
         assert st.clear([ns]) > 0
     finally:

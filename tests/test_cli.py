@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.exposition import MetricsHandler
 from prometheus_client.parser import text_string_to_metric_families
 
-from sglang_tierstore import cli
+from sglang_tierstore import cli, exporter, inspect
 from sglang_tierstore.config import TierStoreConfig
 from sglang_tierstore.embedded import ensure_embedded_redis, pid_file, redis_dir, stop_embedded_redis
 from sglang_tierstore.perms import PRIVATE
@@ -145,7 +145,7 @@ def test_check_reports_fixes_and_exits_by_what_remains(extra: dict[str, Any], fi
     st = engine(extra)
     try:
         ns = st.namespace({"model": "m-ns4096", "pool": "kv"}, 4096)
-        where = st.where(ns, keys(20, "ns4096")[3])
+        where = inspect.where(st, ns, keys(20, "ns4096")[3])
         assert where is not None
         flip_byte(where[0], where[1] + 100)
     finally:
@@ -366,7 +366,7 @@ def test_exporter_serves_index_gauges_over_http(extra: dict[str, Any], filled: d
 
 
 def test_exporter_reports_down_until_the_store_appears(extra: dict[str, Any]) -> None:
-    collector = cli.StoreCollector(TierStoreConfig.from_dict(extra), start_redis=False, interval_s=0)
+    collector = exporter.StoreCollector(TierStoreConfig.from_dict(extra), start_redis=False, interval_s=0)
     try:
         assert [(m.name, m.samples[0].value) for m in collector.collect()] == [("tierstore_store_up", 0)]
         write(extra, 4096, 3, "late")

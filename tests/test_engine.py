@@ -435,3 +435,32 @@ def test_a_dead_writers_stock_is_reclaimed_exactly(cfg: dict[str, Any]) -> None:
         st.close()
         dead.io.close()
         dead.index.close()
+
+
+def test_a_batch_lands_in_adjacent_slots_and_reads_back_in_few_ios(cfg: dict[str, Any]) -> None:
+    """Placement for prefixes: one write batch takes consecutive slots of one region, and a
+    read coalesces them into a few preadv calls (spread over the I/O threads), whatever
+    order the keys come in."""
+    calls: list[int] = []
+
+    def counting(real: Hook, ref: Any, offset: int, bufs: Any, nbytes: int, aligned: bool) -> None:
+        calls.append(nbytes)
+        real(ref, offset, bufs, nbytes, aligned)
+
+    st = engine(cfg, capacity_gb=16 * MiB / (1 << 30), page_files=hooked({"read": counting}))
+    try:
+        ns = st.namespace({}, 128 << 10)
+        ks, src = keys(16, "prefix"), pages(16, 128 << 10, 4)
+        assert st.write(ns, ks, split_pages(src, True), True) == [True] * 16
+        where = [inspect.where(st, ns, k) for k in ks]
+        assert len({w[0] for w in where if w}) == 1
+        offsets = [w[1] for w in where if w]
+        assert offsets == [offsets[0] + i * ns.page_bytes for i in range(16)]
+        order = ks[::-1]  # keys in the reverse of slot order
+        dests = split_pages([bytearray(ns.page_bytes) for _ in ks], True)
+        assert st.read(ns, order, dests, True) == [True] * 16
+        assert calls == [4 * ns.page_bytes] * 4  # 16 pages in 4 I/Os of 4 adjacent pages, one per thread
+        assert [b"".join(bytes(r) for r in d) for d in dests] == src[::-1]
+        assert inspect.check(st) == []
+    finally:
+        st.close()

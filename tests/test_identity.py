@@ -16,7 +16,7 @@ import redis
 from conftest import RedisProc, keys, page_files_bytes
 from engine_kit import MiB, engine, housekeep, pages, read, views
 
-from sglang_tierstore import TierStore
+from sglang_tierstore import TierStore, inspect
 from sglang_tierstore.errors import ConfigError
 from sglang_tierstore.schema import FORMAT, meta_key
 
@@ -61,7 +61,7 @@ def test_two_prefixes_on_one_path_are_independent(cfg: dict[str, Any]) -> None:
         assert ok == [True] * 40 and got == src_a
         ok, got = read_all(b, "b", 40)
         assert ok == [True] * 40 and got == src_b
-        assert a.check() == [] and b.check() == []
+        assert inspect.check(a) == [] and inspect.check(b) == []
         assert len({os.path.dirname(os.path.dirname(f)) for f in files_of(cfg["path"])}) == 2
     finally:
         a.close()
@@ -75,7 +75,7 @@ def test_geometry_is_the_stores_not_a_processs(cfg: dict[str, Any], caplog: pyte
     with caplog.at_level(logging.INFO):
         b = engine(cfg, capacity_gb=40 * MiB / (1 << 30))
     try:
-        assert a.attached().att.geometry == b.attached().att.geometry
+        assert a.space.attached().geometry == b.space.attached().geometry
         assert "capacity 64 MiB -> 40 MiB" in caplog.text
         src = write_all(a, "a", 24, 3)
         ok, got = read_all(b, "a", 24)
@@ -85,7 +85,7 @@ def test_geometry_is_the_stores_not_a_processs(cfg: dict[str, Any], caplog: pyte
         assert ok == [True] * 24 and got == src
         with pytest.raises(ConfigError, match="'file_size_mb'"):
             engine(cfg, file_size_mb=4)
-        assert a.check() == []
+        assert inspect.check(a) == []
     finally:
         a.close()
         b.close()
@@ -99,7 +99,7 @@ def test_a_page_file_deleted_under_a_running_process(cfg: dict[str, Any]) -> Non
     try:
         src = write_all(a, "w", 48, 5)  # 12 regions of 4 pages: file 0 holds 8, file 1 holds 4
         f0, f1 = files_of(cfg["path"])
-        in_f1 = [i for i, k in enumerate(keys(48, "w")) if (a.where(ns, k) or ("",))[0] == f1]
+        in_f1 = [i for i, k in enumerate(keys(48, "w")) if (inspect.where(a, ns, k) or ("",))[0] == f1]
         assert len(in_f1) == 16
         os.unlink(f0)
         more = pages(40, PAGE, 6)
@@ -115,7 +115,7 @@ def test_a_page_file_deleted_under_a_running_process(cfg: dict[str, Any]) -> Non
             ok, got = read_all(b, "w", 48)
             assert [i for i, good in enumerate(ok) if good] == in_f1[: sum(ok)]  # nothing from file 0
             assert all(got[i] == src[i] for i in range(48) if ok[i])
-            assert b.check() == []
+            assert inspect.check(b) == []
         finally:
             b.close()
     finally:
@@ -124,7 +124,7 @@ def test_a_page_file_deleted_under_a_running_process(cfg: dict[str, Any]) -> Non
     try:
         ok, got = read_all(c, "more", 40)
         assert all(ok[i] and got[i] == more[i] for i in acked) and acked
-        assert c.check() == []
+        assert inspect.check(c) == []
     finally:
         c.close()
 
@@ -143,7 +143,7 @@ def test_a_page_file_replaced_by_another_is_never_read(cfg: dict[str, Any]) -> N
             ok, got = read_all(fresh, "w", 48)
             assert all(got[i] == src[i] for i in range(48) if ok[i]) and sum(ok) == 16
             housekeep(fresh)
-            assert fresh.check() == []
+            assert inspect.check(fresh) == []
         finally:
             fresh.close()
     finally:
@@ -166,9 +166,9 @@ def test_a_directory_added_to_path(cfg: dict[str, Any], tmp_path: Path) -> None:
         write_all(b, "new", 24, 9)  # needs a second file: it goes to d2, which holds none
         assert files_of(cfg["path"]) == before
         assert len(files_of(d2)) == 1
-        assert b.usage()["allocated_bytes"] <= 4 * MiB
+        assert inspect.usage(b)["allocated_bytes"] <= 4 * MiB
         assert page_files_bytes(cfg["path"]) + page_files_bytes(d2) <= 4 * MiB + 2 * 4096
-        assert b.check() == []
+        assert inspect.check(b) == []
     finally:
         b.close()
 
@@ -184,7 +184,7 @@ def test_a_directory_removed_from_path(cfg: dict[str, Any], tmp_path: Path) -> N
         write_all(a, "w", 48, 10)
         assert files_of(cfg["path"]) and files_of(d2)
         ns = a.namespace({"m": 1}, PAGE)
-        in_d2 = [k for k in keys(48, "w") if (a.where(ns, k) or ("",))[0].startswith(d2)]
+        in_d2 = [k for k in keys(48, "w") if (inspect.where(a, ns, k) or ("",))[0].startswith(d2)]
         assert in_d2
         now = time.time()
         one = engine(both, path=[cfg["path"]], clock=lambda: now)
@@ -193,14 +193,14 @@ def test_a_directory_removed_from_path(cfg: dict[str, Any], tmp_path: Path) -> N
             assert ok == [False]
             housekeep(one)
             assert one.exists([(ns, in_d2)]) == [[True] * len(in_d2)]  # kept: d2 is someone else's now
-            assert one.check() == []
+            assert inspect.check(one) == []
             now += 20  # no process reports d2 any more (a is idle)
             housekeep(one)
             housekeep(one)
             assert one.exists([(ns, in_d2)]) == [[False] * len(in_d2)]
-            assert one.usage()["allocated_bytes"] <= 4 * MiB
+            assert inspect.usage(one)["allocated_bytes"] <= 4 * MiB
             write_all(one, "after", 48, 11)  # the capacity came back: a full store's worth fits
-            assert one.check() == []
+            assert inspect.check(one) == []
         finally:
             one.close()
     finally:
@@ -212,7 +212,7 @@ def test_two_nodes_on_one_redis_and_one_prefix(cfg: dict[str, Any], tmp_path: Pa
     the other's pages."""
     node_a, node_b = engine(cfg), engine(cfg, path=str(tmp_path / "node-b"))
     try:
-        assert node_a.attached().att.tag != node_b.attached().att.tag
+        assert node_a.space.attached().tag != node_b.space.attached().tag
         src = write_all(node_a, "a", 40, 12)
         for i in range(6):
             write_all(node_b, f"b{i}", 32, 13)  # 3x its capacity: it evicts its own pages only
@@ -221,7 +221,7 @@ def test_two_nodes_on_one_redis_and_one_prefix(cfg: dict[str, Any], tmp_path: Pa
         assert ok == [False] * 40
         ok, got = read_all(node_a, "a", 40)
         assert ok == [True] * 40 and got == src
-        assert node_a.check() == [] and node_b.check() == []
+        assert inspect.check(node_a) == [] and inspect.check(node_b) == []
     finally:
         node_a.close()
         node_b.close()
@@ -255,7 +255,7 @@ def test_a_store_of_the_previous_layout_is_dropped_at_start(cfg: dict[str, Any],
         ok, got = read_all(st, "new", 32)
         assert ok == [True] * 32 and got == src
         assert page_files_bytes(cfg["path"]) <= 2 * MiB + 4096
-        assert st.check() == []
+        assert inspect.check(st) == []
     finally:
         st.close()
 
@@ -263,7 +263,7 @@ def test_a_store_of_the_previous_layout_is_dropped_at_start(cfg: dict[str, Any],
 def test_a_store_of_another_format_is_dropped_at_start(cfg: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
     st = engine(cfg)
     write_all(st, "w", 16, 15)
-    tag = st.attached().att.tag
+    tag = st.space.attached().tag
     st.close()
     r = redis.Redis.from_url(cfg["redis_url"])
     r.hset(meta_key(tag, "meta"), "format", FORMAT + 1)
@@ -271,11 +271,11 @@ def test_a_store_of_another_format_is_dropped_at_start(cfg: dict[str, Any], capl
         st = engine(cfg)
     try:
         assert "written in format" in caplog.text
-        assert st.attached().att.tag != tag and r.exists(meta_key(tag, "meta")) == 0
+        assert st.space.attached().tag != tag and r.exists(meta_key(tag, "meta")) == 0
         assert len(files_of(cfg["path"])) == 0
         ok, _ = read_all(st, "w", 16)
         assert ok == [False] * 16
-        assert st.check() == []
+        assert inspect.check(st) == []
     finally:
         st.close()
 

@@ -1,4 +1,4 @@
-"""The index is laid out for Redis (and Valkey) Cluster: every script declares every key it
+"""The index is laid out for Redis (and Valkey) Cluster: every function declares every key it
 touches, the keys of one call share one hash tag, and the whole engine runs on a cluster
 node: each on redis-server and valkey-server. check() streams the store in bounded calls
 and leaves live traffic alone."""
@@ -18,28 +18,30 @@ from conftest import RedisProc, free_cluster_port, keys
 from monitor import Monitor, monitor_args
 from engine_kit import MiB, engine, housekeep, pages, read, views
 
-from sglang_tierstore import TierStore
+from sglang_tierstore import TierStore, inspect
+from sglang_tierstore.schema import entry_fields, shard_key, shard_of
+from sglang_tierstore.space.library import LIBRARY
 
-# Commands the scripts may issue, all with exactly one key, right after the command name.
+# Commands the functions may issue, all with exactly one key, right after the command name.
 ONE_KEY = {"HGET", "HSET", "HMGET", "HDEL", "HSETNX", "HEXISTS", "HGETALL", "HLEN", "HINCRBY", "ZADD", "ZREM",
            "ZRANGE", "ZRANGEBYSCORE", "ZSCORE", "ZCARD"}
 
 
-def _calls(lines: list[str]) -> Iterator[tuple[list[str], list[list[str]]]]:
-    """(declared keys, commands the script ran) per EVALSHA."""
-    current: tuple[list[str], list[list[str]]] | None = None
+def _calls(lines: list[str]) -> Iterator[tuple[str, list[str], list[list[str]]]]:
+    """(function, declared keys, commands it ran) per FCALL."""
+    current: tuple[str, list[str], list[list[str]]] | None = None
     for ln in lines:
         args = monitor_args(ln)
         if "[0 lua]" in ln:
             assert current is not None, ln
-            current[1].append(args)
+            current[2].append(args)
             continue
         if current is not None:
             yield current
             current = None
-        if args and args[0].upper() == "EVALSHA":
+        if args and args[0].upper() == "FCALL":
             n = int(args[2])
-            current = (args[3 : 3 + n], [])
+            current = (args[1], args[3 : 3 + n], [])
     if current is not None:
         yield current
 
@@ -49,8 +51,9 @@ def _tag(key: str) -> str:
 
 
 def workload(st: TierStore, later: list[float], tmp: str) -> None:
-    """Every script: writes with inline eviction, reads, drops, expiry, shrink, a new and
-    a lost file, check with fix, clear."""
+    """Every function of the library: writes with inline eviction, reads, drops, a repair
+    by check, a shrink that drains a writer's region, expiry, a new and a lost file,
+    clear (and release, at close)."""
     ns = st.namespace({"m": 1}, 64 * 1024)
     src = pages(96, 64 * 1024, 1)
     ks = keys(96, "w")
@@ -58,48 +61,58 @@ def workload(st: TierStore, later: list[float], tmp: str) -> None:
         st.write(ns, ks[i : i + 8], views(src[i : i + 8]), False)
         housekeep(st)
     read(st, ns, ks[-8:])
-    where = st.where(ns, ks[-1])
+    where = inspect.where(st, ns, ks[-1])
     assert where is not None
     with open(where[0], "r+b") as f:  # a rotten page: the read drops it
         f.seek(where[1])
         f.write(b"\xff" * 16)
     read(st, ns, ks[-1:])
+    a = st.space.attached()
+    field = entry_fields(ns.ns_id, ks[-2:-1])[0]
+    st.index.hset(shard_key(a.tag, shard_of(field, a.geometry.shards), "entries"), {field: b"junk"})  # type: ignore[dict-item]
+    read(st, ns, ks[-2:-1])  # dropped unread: its slot's member is left without an entry...
+    inspect.check(st, fix=True)  # ...which check repairs
+    assert st.write(ns, keys(2, "stock"), views(src[:2]), False) == [True] * 2  # its commit restocks from free regions
+    assert inspect.usage(st)["leases"] >= 1
+    st.space.set_capacity(0)  # even the region of our stock goes: it drains, and the idle stock gives its slots back
+    housekeep(st)
+    st.space.set_capacity(2 * MiB)
     later[0] += 3600  # every lease expires
     housekeep(st)
-    st.set_capacity(2 * MiB)
-    housekeep(st)
+    for i in range(0, 24, 8):
+        st.write(ns, ks[i : i + 8], views(src[i : i + 8]), False)
     os.unlink(sorted(p for d, _, n in os.walk(tmp) for p in (os.path.join(d, x) for x in n) if p.endswith(".pages"))[0])
-    files = st.attached().files
+    files = st.space.attached().pages
     for n in files.open_files():  # reopened on the next read: it finds the file gone
         files.forget(n)
-    read(st, ns, ks[-24:])
+    read(st, ns, ks[:24])
     housekeep(st)
-    st.check(fix=True)
+    inspect.check(st, fix=True)
     st.clear([ns])
 
 
 @pytest.mark.parametrize("shards", [1, 2])
-def test_every_script_declares_every_key_it_touches(tmp_path: Path, private_server: RedisProc, shards: int) -> None:
+def test_every_function_declares_every_key_it_touches(tmp_path: Path, private_server: RedisProc, shards: int) -> None:
     later = [0.0]
     st = engine({"path": str(tmp_path / "s"), "redis_url": private_server.url, "redis_prefix": "lay",
-                 "capacity_gb": 4 * MiB / (1 << 30), "index_shards": shards, "lease_s": 5},
+                 "capacity_gb": 4 * MiB / (1 << 30), "index_shards": shards, "lease_s": 5, "free_target": 0.25},
                 clock=lambda: time.time() + later[0])
     mon = Monitor(private_server.port)
     try:
         workload(st, later, str(tmp_path / "s"))
     finally:
         st.close()
-    seen_scripts = 0
+    seen_functions: set[str] = set()
     seen_cmds: set[str] = set()
-    for declared, cmds in _calls(mon.lines()):
-        seen_scripts += 1
+    for function, declared, cmds in _calls(mon.lines()):
+        seen_functions.add(function.removeprefix(LIBRARY.name + "_"))
         assert len({_tag(k) for k in declared}) == 1, f"keys of one call under several hash tags: {declared}"
         for c in cmds:
             name = c[0].upper()
             seen_cmds.add(name)
-            assert name in ONE_KEY, f"a script ran {c[:2]}: extend ONE_KEY if it takes one key"
-            assert c[1] in declared, f"{name} {c[1]} is not in the script's KEYS {declared}"
-    assert seen_scripts > 50
+            assert name in ONE_KEY, f"{function} ran {c[:2]}: extend ONE_KEY if it takes one key"
+            assert c[1] in declared, f"{name} {c[1]} is not in {function}'s KEYS {declared}"
+    assert seen_functions == set(LIBRARY.scripts)  # every function of the library ran
     assert {"HSET", "HDEL", "ZADD", "HMGET"} <= seen_cmds
 
 
@@ -145,7 +158,7 @@ def cluster_node(tmp_path: Path, server: str) -> Iterator[int]:
 def test_the_engine_runs_on_a_redis_cluster_node(tmp_path: Path, cluster_node: int) -> None:
     later = [0.0]
     cfg = {"path": str(tmp_path / "s"), "redis_url": f"redis://127.0.0.1:{cluster_node}/0", "redis_prefix": "cl",
-           "capacity_gb": 4 * MiB / (1 << 30), "index_shards": 3, "lease_s": 5}
+           "capacity_gb": 4 * MiB / (1 << 30), "index_shards": 3, "lease_s": 5, "free_target": 0.25}
     st = engine(cfg, clock=lambda: time.time() + later[0])
     try:
         workload(st, later, str(tmp_path / "s"))
@@ -154,7 +167,7 @@ def test_the_engine_runs_on_a_redis_cluster_node(tmp_path: Path, cluster_node: i
         assert st.write(ns, keys(64, "c"), views(src), False) == [True] * 64
         ok, got = read(st, ns, keys(64, "c"))
         assert ok == [True] * 64 and got == src
-        assert st.check() == []
+        assert inspect.check(st) == []
         assert st.stats().get("error_internal", 0) == 0
     finally:
         st.close()
@@ -192,7 +205,7 @@ def test_check_streams_in_bounded_calls_and_leaves_traffic_alone(tmp_path: Path,
     t = threading.Thread(target=traffic)
     t.start()
     try:
-        problems = st.check(verify_pages=False)
+        problems = inspect.check(st, verify_pages=False)
     finally:
         stop.set()
         t.join()
@@ -200,12 +213,13 @@ def test_check_streams_in_bounded_calls_and_leaves_traffic_alone(tmp_path: Path,
     assert problems == [] and errors == []
     biggest = 0
     calls = 0
+    snapshots = {LIBRARY.function("snapshot_regions"), LIBRARY.function("snapshot_entries")}
     for ln in mon.lines():
         args = monitor_args(ln)
-        if "[0 lua]" in ln or not args:
+        if "lua]" in ln or not args:
             continue
         name = args[0].upper()
-        if name in ("HSCAN", "EVALSHA") and ("SNAPSHOT" in ln or name == "HSCAN" or len(args) > 20):
+        if name == "HSCAN" or (name == "FCALL" and args[1] in snapshots):
             calls += 1
             biggest = max(biggest, len(args))
             if name == "HSCAN":

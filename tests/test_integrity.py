@@ -5,17 +5,21 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any, Optional
+import uuid
+from pathlib import Path
+from typing import Any
 
+import pytest
 import redis
 import torch
-from conftest import flip_byte
+from conftest import RedisProc, flip_byte
+from engine_kit import Hook, engine, hooked, housekeep, pages, read, views
 from pools import fill, keys, mha_pool, mla_pool, page_bytes, page_indices, storage_config
 
-from sglang_tierstore import TierStoreBackend
-from sglang_tierstore.allocator import ALL_SCRIPTS
-from sglang_tierstore.index import RedisIndex
-from sglang_tierstore.schema import entry_field, unpack_entry
+from sglang_tierstore import TierStoreBackend, inspect
+from sglang_tierstore.schema import entry_field, entry_fields, unpack_entry
+
+HANG_S = 30.0
 
 
 def test_fingerprints_keep_incompatible_pages_apart(extra: dict[str, Any]) -> None:
@@ -61,8 +65,8 @@ def test_mla_pages_are_shared_across_tp_ranks(extra: dict[str, Any]) -> None:
 
 def _slot_offset(be: TierStoreBackend, key: str) -> tuple[str, int, int]:
     """(page file, byte offset of the slot, page bytes) of a committed key."""
-    ns = be._pool("kv").ns
-    where = be.store.where(ns, key)
+    ns = be.namespace()
+    where = inspect.where(be.store, ns, key)
     assert where is not None
     return where[0], where[1], ns.page_bytes
 
@@ -95,7 +99,7 @@ def test_flipped_bytes_are_misses_and_drop_the_entry(extra: dict[str, Any]) -> N
 
 def _entries(be: TierStoreBackend) -> tuple[redis.Redis, str]:
     """A plain Redis client and the hash holding the backend's entries (one shard)."""
-    return redis.Redis.from_url(be.cfg.redis_url or ""), be.store.attached().alloc.key(0, "entries")
+    return redis.Redis.from_url(be.cfg.redis_url or ""), be.store.space.attached().key(0, "entries")
 
 
 def test_unparsable_index_value_is_a_miss_and_is_dropped(extra: dict[str, Any]) -> None:
@@ -106,7 +110,7 @@ def test_unparsable_index_value_is_a_miss_and_is_dropped(extra: dict[str, Any]) 
         be.register_mem_pool_host(pool)
         assert be.batch_set_v1(ks, page_indices(range(3), 4)) == [True] * 3
         r, entries = _entries(be)
-        field = entry_field(be._pool("kv").ns.ns_id, ks[1])
+        field = entry_field(be.namespace().ns_id, ks[1])
         good = r.hget(entries, field)
         r.hset(entries, field, b"not an entry")
         assert [p for p in be.check() if "unparsable" in p] == [f"entry {field.hex()}: unparsable entry"]
@@ -121,36 +125,42 @@ def test_unparsable_index_value_is_a_miss_and_is_dropped(extra: dict[str, Any]) 
         assert be.check() == []
 
 
-def test_uncommitted_write_is_invisible_and_its_slots_reclaimed(extra: dict[str, Any]) -> None:
-    """A writer dies after taking slots and writing them, before COMMIT."""
-    pool = mha_pool("page_first")
-    fill(pool, 4)
-    ks = keys(2)
-    cfg = {**extra, "lease_s": 0.3, "housekeeping_s": 3600}
-    with TierStoreBackend(storage_config(cfg), {}) as dying, TierStoreBackend(storage_config(cfg), {}) as be:
-        for b in (dying, be):
-            b.register_mem_pool_host(pool)
-        ns = dying._pool("kv").ns
-        a = dying.store.attached()
-        dying.store._fill_stock(a, ns.page_bytes, {0: 2})
-        slots = a.alloc.take(0, ns.page_bytes, 2)
-        g = a.att.geometry
-        for (r, sl, _), page in zip(slots, (0, 1)):
-            a.files.write(g.file_of(r), g.slot_offset(r, sl, ns.page_bytes), dying._pool("kv").plan.regions(page * 4),
-                          ns.page_bytes, False)
-        dying.housekeeper.stop()
-        dying.store.index.close()  # "killed": no COMMIT, its lease stays
-        assert be.batch_exists(ks) == 0
-        assert be.batch_get_v1(ks[:1], page_indices([5], 4)) == [False]
-        assert be.store.usage()["leases"] >= 1
-        assert be.check() == []  # leased slots are a state of their own
-        threading.Event().wait(0.4)
-        be.housekeeper.run_once()
-        assert be.store.usage()["leases"] == 0
-        assert be.check() == []
-        assert be.batch_set_v1(ks, page_indices([0, 1], 4)) == [True, True]
-        assert be.check() == []
-        dying.store._att = None  # nothing left for close() to give back
+@pytest.fixture
+def cfg(tmp_path: Path, redis_proc: RedisProc) -> dict[str, Any]:
+    return {"path": str(tmp_path / "store"), "redis_url": redis_proc.url, "redis_prefix": "i-" + uuid.uuid4().hex[:10],
+            "capacity_gb": 1 / 1024, "io_threads": 2}
+
+
+def test_uncommitted_write_is_invisible_and_its_slots_reclaimed(cfg: dict[str, Any]) -> None:
+    """A writer dies after reserving slots and writing them, before its commit."""
+    later = [0.0]
+    clock = lambda: time.time() + later[0]  # noqa: E731
+    dying, st = engine(cfg, clock=clock, lease_s=10), engine(cfg, clock=clock, lease_s=10)
+    try:
+        ns = dying.namespace({"m": 1}, 65536)
+        ks, src = keys(2), pages(2, 65536, 4)
+        a = dying.space.attached()
+        with a.reserve(ns.page_bytes, entry_fields(ns.ns_id, ks)) as res:
+            assert len(res.places) == 2
+            for i, place in res.places.items():
+                a.pages.write(place.file, place.offset, [memoryview(src[i])], ns.page_bytes, False)
+        dying.index.close()  # "killed": no commit, its lease stays
+        ns2 = st.namespace({"m": 1}, 65536)
+        assert st.exists([(ns2, ks)]) == [[False, False]]
+        assert read(st, ns2, ks[:1])[0] == [False]
+        assert inspect.usage(st)["leases"] >= 1
+        assert inspect.check(st) == []  # leased slots are a state of their own
+        later[0] = 11.0
+        housekeep(st)
+        assert inspect.usage(st)["leases"] == 0
+        assert inspect.check(st) == []
+        assert st.write(ns2, ks, views(src), False) == [True, True]
+        assert read(st, ns2, ks) == ([True, True], src)
+        assert inspect.check(st) == []
+    finally:
+        st.close()
+        dying.io.close()
+        dying.space.attached().pages.close()
 
 
 def _region_of(raw: bytes) -> int:
@@ -161,63 +171,50 @@ def _slot_of(raw: bytes) -> int:
     return unpack_entry(raw).slot
 
 
-class PausingIndex(RedisIndex):
-    """A real RedisIndex whose HMGET stops after it returns until the test lets it go on."""
-
-    def __init__(self, *a: Any, **kw: Any) -> None:
-        super().__init__(*a, **kw)
-        self.looked_up = threading.Event()
-        self.go_on = threading.Event()
-        self.pause = False
-
-    def hmget(self, parts: Any) -> list[list[Optional[bytes]]]:
-        out = super().hmget(parts)
-        if self.pause:
-            self.pause = False
-            self.looked_up.set()
-            assert self.go_on.wait(10)
-        return out
-
-
-def test_read_racing_eviction_and_slot_reuse_never_returns_other_bytes(extra: dict[str, Any]) -> None:
+def test_read_racing_eviction_and_slot_reuse_never_returns_other_bytes(cfg: dict[str, Any]) -> None:
     """A read looks a page up; before it reads the slot, the page's region is evicted and
     the slot reused by another page with other bytes. The read must be a miss."""
-    pool = mha_pool("page_first_direct", page_size=16, layers=4, heads=4, head_dim=64)  # 64 KiB pages
-    fill(pool, 5)
-    cfg = {**extra, "capacity_gb": 1 / 1024}  # 16 regions of 64 KiB: one page each
-    with TierStoreBackend(storage_config(cfg), {}) as be:
-        be.register_mem_pool_host(pool)
-        racy = PausingIndex(extra["redis_url"], 0.5, 1.0)
-        racy.register(ALL_SCRIPTS)
-        be.store.index = racy
-        be.store.attached().alloc.index = racy
-        a = keys(1, "a")[0]
-        assert be.batch_set_v1([a], page_indices([0], 16)) == [True]
-        ns = be._pool("kv").ns
-        slot_a = be.store.where(ns, a)
-        racy.pause = True
-        result: list[list[bool]] = []
-        reader = threading.Thread(target=lambda: result.append(be.batch_get_v1([a], page_indices([20], 16))))
+    looked_up, go_on = threading.Event(), threading.Event()
+    pause = [False]
+
+    def paused_read(real: Hook, *args: Any) -> None:  # between the lookup and the preadv
+        if pause[0]:
+            pause[0] = False
+            looked_up.set()
+            assert go_on.wait(HANG_S)
+        real(*args)
+
+    st = engine(cfg, page_files=hooked({"read": paused_read}))  # 16 regions of 64 KiB: one page each
+    try:
+        ns = st.namespace({"m": 1}, 65536)
+        a, src = keys(1, "a")[0], pages(65, 65536, 5)
+        assert st.write(ns, [a], views(src[:1]), False) == [True]
+        slot_a = inspect.where(st, ns, a)
+        assert slot_a is not None
+        pause[0] = True
+        result: list[tuple[list[bool], list[bytearray]]] = []
+        reader = threading.Thread(target=lambda: result.append(read(st, ns, [a])))
         reader.start()
-        assert racy.looked_up.wait(10)
+        assert looked_up.wait(HANG_S)
         # meanwhile: new pages push a's region out and one of them lands in a's slot
-        others = keys(64, "b")
-        for i, k in enumerate(others):
-            assert be.batch_set_v1([k], page_indices([1 + i % 15], 16)) == [True]
-            be.housekeeper.run_once()
-            where = be.store.where(ns, k)
+        for i, k in enumerate(keys(64, "b")):
+            assert st.write(ns, [k], views(src[1 + i : 2 + i]), False) == [True]
+            housekeep(st, audit=False)
+            where = inspect.where(st, ns, k)
             if where is not None and where[:2] == slot_a[:2]:
-                reused, host = k, 1 + i % 15
+                reused, page = k, src[1 + i]
                 break
         else:
             raise AssertionError("a's slot was never reused")
-        assert be.batch_exists([a]) == 0
-        racy.go_on.set()
-        reader.join()
-        assert result == [[False]]
-        assert be.batch_get_v1([reused], page_indices([21], 16)) == [True]
-        assert page_bytes(pool, 21) == page_bytes(pool, host)
-        assert be.check() == []
+        assert st.exists([(ns, [a])]) == [[False]]
+        go_on.set()
+        reader.join(HANG_S)
+        assert result[0][0] == [False]
+        assert read(st, ns, [reused]) == ([True], [page])
+        assert inspect.check(st) == []
+    finally:
+        go_on.set()
+        st.close()
 
 
 def test_lost_index_or_lost_files_serve_nothing_stale(extra: dict[str, Any]) -> None:
@@ -225,10 +222,10 @@ def test_lost_index_or_lost_files_serve_nothing_stale(extra: dict[str, Any]) -> 
     fill(pool, 6)
     ks = keys(4)
     r = redis.Redis.from_url(extra["redis_url"])
-    with TierStoreBackend(storage_config(extra), {}) as be:
+    with TierStoreBackend(storage_config({**extra, "housekeeping_s": 3600}), {}) as be:
         be.register_mem_pool_host(pool)
         assert be.batch_set_v1(ks, page_indices(range(4), 4)) == [True] * 4
-        old_store = be.store.attached().att.geometry.store_id
+        old_store = be.store.space.attached().geometry.store_id
         # the Redis data is lost, page files remain
         for k in r.scan_iter(match=extra["redis_prefix"] + "*"):
             r.delete(k)
@@ -236,29 +233,26 @@ def test_lost_index_or_lost_files_serve_nothing_stale(extra: dict[str, Any]) -> 
             r.delete(k)
         assert be.batch_exists(ks) == 0
         assert be.batch_get_v1(ks, page_indices(range(10, 14), 4)) == [False] * 4
-        # the next writes find the store gone and start a new one (old files removed)
+        # the next write finds the store gone (a miss, the attachment dropped); the one after
+        # starts a new store (old files removed)
         fill(pool, 7)
-        deadline = time.monotonic() + 10
-        while be.batch_set_v1(ks[2:], page_indices([2, 3], 4)) != [True, True]:
-            assert time.monotonic() < deadline, "the store did not come back"
-            time.sleep(0.1)
-        assert be.store.attached().att.geometry.store_id != old_store
+        assert be.batch_set_v1(ks[2:], page_indices([2, 3], 4)) == [False, False]
+        assert be.batch_set_v1(ks[2:], page_indices([2, 3], 4)) == [True, True]
+        assert be.store.space.attached().geometry.store_id != old_store
         assert not any(old_store in f for f in _page_files(extra["path"]))
         assert be.batch_get_v1(ks[2:], page_indices([20, 21], 4)) == [True, True]
         assert page_bytes(pool, 21) == page_bytes(pool, 3)
         assert be.check() == []
         # now the page files are lost while Redis keeps the entries
-        files = be.store.attached().files
+        files = be.store.space.attached().pages
         for n in files.open_files():  # our handles go (a closed PageFiles would open nothing more)
             files.forget(n)
         for f in _page_files(extra["path"]):
             os.remove(f)
         assert be.batch_exists(ks[2:]) == 2  # the index still believes...
         assert be.batch_get_v1(ks[2:], page_indices([30, 31], 4)) == [False, False]  # ...reads do not
-        deadline = time.monotonic() + 10
-        while be.batch_exists(ks[2:]) != 0:  # housekeeping forgets the lost file and its pages
-            assert time.monotonic() < deadline, "the lost file was not forgotten"
-            time.sleep(0.1)
+        be.store.space.housekeeping.run_once()  # which forgets the lost file and its pages
+        assert be.batch_exists(ks[2:]) == 0
         assert be.check() == []
         assert be.batch_set_v1(ks, page_indices(range(4), 4)) == [True] * 4  # and a new file takes pages
         assert be.check() == []

@@ -1,9 +1,8 @@
-"""Writers' stocks under shrinking and across threads and processes; file handles under
-concurrent I/O; the members a check repairs. Over plain bytes (no torch, no SGLang)."""
+"""Writers' stocks under shrinking and across threads and processes; the members a check
+repairs. Over plain bytes (no torch, no SGLang)."""
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import uuid
@@ -12,20 +11,16 @@ from typing import Any
 
 import pytest
 from conftest import RedisProc, keys, page_files_bytes
-from engine_kit import MiB, engine, housekeep, pages, read, views
+from engine_kit import MiB, engine, housekeep, pages, read, sweep_all, views
 
-from sglang_tierstore import IndexUnavailable, TierStore
+from sglang_tierstore import IndexUnavailable, inspect
+from sglang_tierstore.inspect import unlink_members
 
 
 @pytest.fixture
 def cfg(tmp_path: Path, redis_proc: RedisProc) -> dict[str, Any]:
     return {"path": str(tmp_path / "d1"), "redis_url": redis_proc.url, "redis_prefix": "ls-" + uuid.uuid4().hex[:10],
             "capacity_gb": 64 * MiB / (1 << 30), "io_threads": 2}
-
-
-def sweep_all(st: TierStore) -> None:
-    while st.sweep(256) >= 256:
-        pass
 
 
 def test_a_shrink_never_takes_slots_a_writer_holds(cfg: dict[str, Any]) -> None:
@@ -37,24 +32,24 @@ def test_a_shrink_never_takes_slots_a_writer_holds(cfg: dict[str, Any]) -> None:
     try:
         ns_a, ns_b = a.namespace({"m": 1}, MiB), b.namespace({"m": 1}, MiB)
         assert b.write(ns_b, keys(4, "b"), views(pages(4, MiB, 1)), False) == [True] * 4
-        assert b.attached().alloc.stocked(0, MiB) > 0
+        assert inspect.usage(b)["leases"] == 1  # its stock
         assert a.write(ns_a, keys(4, "a"), views(pages(4, MiB, 2)), False) == [True] * 4
-        a.set_capacity(4 * MiB)
+        a.space.set_capacity(4 * MiB)
         sweep_all(a)
-        u = a.usage()
+        u = inspect.usage(a)
         assert u["draining_regions"] >= 1 and u["allocated_regions"] - u["draining_regions"] <= 1
-        assert a.check(verify_pages=False) == []
+        assert inspect.check(a, verify_pages=False) == []
         ok = b.write(ns_b, keys(4, "b2"), views(pages(4, MiB, 3)), False)  # from its stock, in the draining region
         assert ok == [False] * 4
         for st in (a, b, a):
             housekeep(st)
-        u = a.usage()
+        u = inspect.usage(a)
         assert u["draining_regions"] == 0 and u["allocated_regions"] <= 1 and u["punch_regions"] == 0
         assert page_files_bytes(cfg["path"]) <= 4 * MiB + 4096
         # the one region left is held by A's stock: B's write finds every region pinned,
         # which drains it; A, idle, gives its slots back at its next housekeeping
         assert b.write(ns_b, keys(4, "b3"), views(pages(4, MiB, 4)), False) == [False] * 4
-        assert a.usage()["draining_regions"] == 1 and b.stats()["write_full"] == 4
+        assert inspect.usage(a)["draining_regions"] == 1 and b.stats()["write_full"] == 4
         for st in (a, b):
             housekeep(st)
         src = pages(4, MiB, 5)
@@ -62,7 +57,7 @@ def test_a_shrink_never_takes_slots_a_writer_holds(cfg: dict[str, Any]) -> None:
         assert page_files_bytes(cfg["path"]) <= 4 * MiB + 8192
         ok, got = read(b, ns_b, keys(4, "b4"))
         assert ok == [True] * 4 and got == src
-        assert a.check() == []
+        assert inspect.check(a) == []
     finally:
         a.close()
         b.close()
@@ -75,17 +70,17 @@ def test_an_idle_writers_slots_in_a_draining_region_come_back(cfg: dict[str, Any
     try:
         ns = st.namespace({"m": 1}, MiB)
         assert st.write(ns, keys(4), views(pages(4, MiB, 5)), False) == [True] * 4
-        st.set_capacity(4 * MiB)
+        st.space.set_capacity(4 * MiB)
         sweep_all(st)
         drained = st.stats().get("stocks_tidied", 0)
-        st.set_capacity(0)  # even the region holding its stock must go
+        st.space.set_capacity(0)  # even the region holding its stock must go
         sweep_all(st)  # which drains it, and the writer (idle: nobody is writing) gives its slots back
         assert st.stats()["stocks_tidied"] > drained
         housekeep(st)  # the hole's space is punched out
-        u = st.usage()
+        u = inspect.usage(st)
         assert u["draining_regions"] == 0 and u["allocated_regions"] == 0 and u["punch_regions"] == 0
         assert page_files_bytes(cfg["path"]) <= 4096
-        assert st.check() == []
+        assert inspect.check(st) == []
     finally:
         st.close()
 
@@ -99,16 +94,16 @@ def test_holes_in_a_directory_only_another_process_has_are_punched_by_it(cfg: di
         for j in range(4):
             assert all(a.write(ns, keys(16, f"x{j}"), views(pages(16, MiB, j)), False))
         assert page_files_bytes(d2) > 16 * MiB
-        b.set_capacity(16 * MiB)
+        b.space.set_capacity(16 * MiB)
         sweep_all(b)
         assert b.stats().get("error_punch", 0) == 0  # b does not even try d2's holes
-        assert a.usage()["punch_regions"] > 0
+        assert inspect.usage(a)["punch_regions"] > 0
         sweep_all(a)
         sweep_all(a)  # and what its own stock gave back meanwhile
-        u = a.usage()
+        u = inspect.usage(a)
         assert u["punch_regions"] == 0 and u["allocated_regions"] <= 4
         assert page_files_bytes(d1) + page_files_bytes(d2) <= 16 * MiB + u["files"] * 8192  # regions + header, extent blocks
-        assert a.check() == []
+        assert inspect.check(a) == []
     finally:
         a.close()
         b.close()
@@ -121,16 +116,16 @@ def test_every_process_keeps_free_regions_for_the_stores_capacity(cfg: dict[str,
     try:
         ns = a.namespace({"m": 1}, MiB)
         assert all(a.write(ns, keys(64), views(pages(64, MiB, 6)), False))
-        a.set_capacity(16 * MiB)  # 4 regions of 4 MiB: one is kept free
+        a.space.set_capacity(16 * MiB)  # 4 regions of 4 MiB: one is kept free
         sweep_all(a)
         fresh = keys(8, "new")
         assert a.write(ns, fresh, views(pages(8, MiB, 7)), False) == [True] * 8
         sweep_all(a)
         sweep_all(b)
-        u = a.usage()
+        u = inspect.usage(a)
         assert u["free_regions"] == 1 and u["used_regions"] >= 2
         assert a.exists([(ns, fresh)]) == [[True] * 8]
-        assert a.check() == []
+        assert inspect.check(a) == []
     finally:
         a.close()
         b.close()
@@ -148,28 +143,11 @@ def test_stocks_of_threads_that_exited_are_given_back(cfg: dict[str, Any]) -> No
             t = threading.Thread(target=one, args=(i,))
             t.start()
             t.join()
-        assert st.usage()["leases"] == 6
+        assert inspect.usage(st)["leases"] == 6
         housekeep(st)
-        assert st.usage()["leases"] == 0
-        assert all(d["leased"] == 0 for d in st.page_sizes().values())
-        assert st.check() == []
-    finally:
-        st.close()
-
-
-def test_a_file_forgotten_during_io_keeps_its_fds_until_the_io_ends(cfg: dict[str, Any]) -> None:
-    st = engine(cfg)
-    try:
-        ns = st.namespace({"m": 1}, 4096)
-        assert st.write(ns, keys(1), views(pages(1, 4096, 8)), False) == [True]
-        files = st.attached().files
-        (f,) = files.open_files()
-        with files._using(f) as h:  # an I/O in flight on another thread
-            files.forget(f)
-            os.fstat(h.fd)  # still ours: not closed, its number not reusable
-            assert f not in files.open_files()
-        with pytest.raises(OSError):
-            os.fstat(h.fd)  # closed by the last user
+        assert inspect.usage(st)["leases"] == 0
+        assert all(d["leased"] == 0 for d in inspect.page_sizes(st).values())
+        assert inspect.check(st) == []
     finally:
         st.close()
 
@@ -180,17 +158,17 @@ def test_a_member_unlinked_twice_in_one_call_counts_once(cfg: dict[str, Any]) ->
         ns = st.namespace({"m": 1}, 4096)
         ks = keys(4)
         assert st.write(ns, ks, views(pages(4, 4096, 9)), False) == [True] * 4
-        a = st.attached()
-        where = st.where(ns, ks[0])
+        a = st.space.attached()
+        where = inspect.where(st, ns, ks[0])
         assert where is not None
         region = where[2]
         field = ns.ns_id + bytes.fromhex(ks[0])[:24]
-        st.index.hdel(a.alloc.key(0, "entries"), field)  # its entry vanished (as if unparsable and dropped)
+        st.index.hdel(a.key(0, "entries"), field)  # its entry vanished (as if unparsable and dropped)
         slot = 0
-        assert a.alloc.unlink_members(0, [(region, slot, field), (region, slot, field)]) == 1
+        assert unlink_members(st, a, 0, [(region, slot, field), (region, slot, field)]) == 1
         ok, _ = read(st, ns, ks[1:])
         assert ok == [True] * 3
-        assert st.check() == []
+        assert inspect.check(st) == []
     finally:
         st.close()
 
@@ -198,7 +176,9 @@ def test_a_member_unlinked_twice_in_one_call_counts_once(cfg: dict[str, Any]) ->
 def test_stock_ranges_survive_an_index_hiccup_after_io(cfg: dict[str, Any], private_redis: RedisProc) -> None:
     """A COMMIT that fails (index down) leaves the written slots in the lease: the next
     COMMIT returns them, so nothing leaks and the store fills up normally afterwards."""
-    st = engine(cfg, redis_url=private_redis.url, redis_timeout_s=0.3, redis_retry_s=0.2)
+    later = [0.0]
+    st = engine(cfg, redis_url=private_redis.url, redis_timeout_s=0.3, redis_retry_s=0.2,
+                clock=lambda: time.time() + later[0])
     try:
         ns = st.namespace({"m": 1}, MiB)
         assert st.write(ns, keys(4, "a"), views(pages(4, MiB, 10)), False) == [True] * 4
@@ -206,19 +186,13 @@ def test_stock_ranges_survive_an_index_hiccup_after_io(cfg: dict[str, Any], priv
         with pytest.raises(IndexUnavailable):
             st.write(ns, keys(4, "b"), views(pages(4, MiB, 11)), False)
         private_redis.start()  # empty: the store attaches anew
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                if st.write(ns, keys(4, "c"), views(pages(4, MiB, 12)), False) == [True] * 4:
-                    break
-            except IndexUnavailable:
-                pass
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        later[0] += 1.0  # past the breaker's redis_retry_s
+        assert st.write(ns, keys(4, "c"), views(pages(4, MiB, 12)), False) == [False] * 4  # the store is gone...
+        assert st.write(ns, keys(4, "c"), views(pages(4, MiB, 12)), False) == [True] * 4  # ...and made anew
         for j in range(20):  # past capacity
             assert all(st.write(ns, keys(4, f"d{j}"), views(pages(4, MiB, j)), False))
             housekeep(st)
-        assert st.check() == []
+        assert inspect.check(st) == []
     finally:
         st.close()
 
@@ -233,7 +207,7 @@ def test_a_stalled_writer_never_clobbers_slots_its_expired_lease_held(cfg: dict[
     try:
         ns_a, ns_b = a.namespace({"m": 1}, 12288), b.namespace({"m": 1}, 12288)
         assert a.write(ns_a, keys(4, "a"), views(pages(4, 12288, 20)), False) == [True] * 4
-        assert a.attached().alloc.stocked(0, 12288) > 0
+        assert inspect.usage(a)["leases"] == 1  # its stock
         later[0] += 12  # a stalls past its lease; b's housekeeping expires it
         housekeep(b)
         src_b = pages(8, 12288, 21)
@@ -244,7 +218,7 @@ def test_a_stalled_writer_never_clobbers_slots_its_expired_lease_held(cfg: dict[
         assert ok == [True] * 8 and got == src_b
         ok, got = read(a, ns_a, keys(4, "a2"))
         assert ok == [True] * 4 and got == src_a
-        assert a.check() == []
+        assert inspect.check(a) == []
     finally:
         a.close()
         b.close()

@@ -138,35 +138,3 @@ def test_clear_drops_only_this_backends_pages(extra: dict[str, Any]) -> None:
         assert b.batch_exists(keys(3)) == 3
         assert a.batch_set_v1(keys(3), page_indices([0, 1, 2], 4)) == [True] * 3
         assert a.check() == []
-
-
-def test_a_batch_lands_in_adjacent_slots_and_reads_back_in_few_ios(extra: dict[str, Any]) -> None:
-    """Placement for prefixes: one write batch takes consecutive slots of one region, and a
-    read coalesces them into a few preadv calls (spread over the I/O threads), whatever
-    order the keys come in."""
-    src = mha_pool("page_first_direct", page_size=16, layers=4, heads=8, head_dim=64, tokens=16 * 48)  # 128 KiB pages
-    fill(src, 4)
-    ks = keys(16, "prefix")
-    with TierStoreBackend(storage_config({**extra, "io_threads": 4}), {}) as be:
-        be.register_mem_pool_host(src)
-        ns = be._pool("kv").ns
-        assert be.batch_set_v1(ks, page_indices(range(16), 16)) == [True] * 16
-        where = [be.store.where(ns, k) for k in ks]
-        assert len({w[0] for w in where if w}) == 1
-        offsets = [w[1] for w in where if w]
-        assert offsets == [offsets[0] + i * ns.page_bytes for i in range(16)]
-        files = be.store.attached().files
-        calls: list[int] = []
-        real = files.read
-
-        def counting(file_no: int, offset: int, bufs: Any, nbytes: int, aligned: bool) -> None:
-            calls.append(nbytes)
-            real(file_no, offset, bufs, nbytes, aligned)
-
-        files.read = counting  # type: ignore[method-assign]
-        order = ks[::-1]  # keys in the reverse of slot order
-        assert be.batch_get_v1(order, page_indices(range(32, 48), 16)) == [True] * 16
-        assert calls == [4 * ns.page_bytes] * 4  # 16 pages in 4 I/Os of 4 adjacent pages, one per thread
-        for k, d in zip(order, range(32, 48)):
-            assert page_bytes(src, d) == page_bytes(src, ks.index(k))
-        assert be.check() == []

@@ -21,7 +21,7 @@ from conftest import RedisProc, keys
 from engine_kit import MiB, engine, pages
 from stallfs import StalledDisk
 
-from sglang_tierstore import TierStore
+from sglang_tierstore import TierStore, inspect
 from sglang_tierstore.io_engine import IOEngine
 from sglang_tierstore.store import Namespace
 
@@ -99,7 +99,7 @@ def test_a_stalled_disk_gives_bounded_misses_and_late_reads_land_nowhere(
             if ok == [True] * N or time.monotonic() > deadline:
                 break
         assert ok == [True] * N and page_bytes(fresh) == src
-        assert st.check() == []
+        assert inspect.check(st) == []
     finally:
         disk.answer()
         st.close()  # joins the I/O threads: every late preadv has returned

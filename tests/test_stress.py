@@ -20,8 +20,7 @@ import pytest
 from conftest import RedisProc
 from engine_kit import MiB, housekeep
 
-from sglang_tierstore import TierStore, TierStoreConfig
-from sglang_tierstore.eviction import Housekeeper
+from sglang_tierstore import TierStore, TierStoreConfig, inspect
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -72,8 +71,7 @@ def test_writers_killed_mid_batch_never_leave_a_wrong_page(tmp_path: Path, redis
     ctx.set_forkserver_preload(["stress"])
     later = [0.0]
     reader = TierStore(TierStoreConfig.from_dict(cfg), redis_proc.url, clock=lambda: time.time() + later[0])
-    hk = Housekeeper(reader)
-    hk.start()
+    reader.start_housekeeping()
     nss = stress.namespaces(reader, w.sizes)
     keys = {s: stress.keys_for(s, n) for s, n in zip(w.sizes, w.keys_per_size)}
     tally = stress.Tally()
@@ -96,17 +94,16 @@ def test_writers_killed_mid_batch_never_leave_a_wrong_page(tmp_path: Path, redis
             mid_batch += busy[0] == stress.IN_WRITE  # frozen at the moment of death
             _, size, ks = stress.pick(rnd, w, keys)
             stress.do_get(reader, nss[size], ks, pages, tally, [0], 0)
-        hk.stop()
-        assert reader.usage()["leases"] > 0  # dead writers' stocks, still leased
+        reader.space.housekeeping.stop()
+        assert inspect.usage(reader)["leases"] > 0  # dead writers' stocks, still leased
         stress.scrub(reader, nss, keys, tally)
         assert tally.counts["wrong_pages"] == 0, tally.wrong
         assert tally.counts["scrub_hits"] > 0 and tally.counts["scrub_hits"] == tally.counts["scrub_present"]
         later[0] += LEASE_S + 1  # every dead writer's lease has expired
         housekeep(reader)
-        assert reader.usage()["leases"] == 0
-        assert reader.check() == []
+        assert inspect.usage(reader)["leases"] == 0
+        assert inspect.check(reader) == []
     finally:
-        hk.stop()
         reader.close()
 
 

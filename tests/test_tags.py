@@ -15,9 +15,10 @@ import redis
 from conftest import RedisProc, keys
 from engine_kit import MiB, engine, housekeep, pages, read, views
 
+from sglang_tierstore import inspect
 from sglang_tierstore.errors import ConfigError
-from sglang_tierstore.tags import KEY_BYTES, KEY_FILE
 from sglang_tierstore.schema import ENTRY, entry_field, unpack_entry, unpack_region
+from sglang_tierstore.tags import KEY_BYTES, KEY_FILE
 from sglang_tierstore.store import TierStore
 
 
@@ -37,7 +38,7 @@ def attacker(server_proc: RedisProc) -> Iterator[redis.Redis]:
 
 
 def _entries_key(st: TierStore) -> str:
-    return st.attached().alloc.key(0, "entries")
+    return st.space.attached().key(0, "entries")
 
 
 def _key_files(root: str) -> list[str]:
@@ -80,7 +81,7 @@ def test_forged_or_edited_entries_are_misses_and_check_names_them(cfg: dict[str,
         # a made-up tag
         attacker.hset(ek, entry_field(ns.ns_id, ks[2]), ENTRY.pack(*unpack_entry(attacker.hget(ek, entry_field(ns.ns_id, ks[2])))[:4],
                                                                        os.urandom(16)))
-        problems = st.check()
+        problems = inspect.check(st)
         named = [k for k in ks if any(p.startswith(f"entry {entry_field(ns.ns_id, k).hex()}:") for p in problems)]
         assert named == [ks[0], ks[2]], problems
         assert f"entry {entry_field(ns.ns_id, ks[2]).hex()}: its tag is not valid for it" in "\n".join(problems)
@@ -104,7 +105,7 @@ def test_a_replayed_old_entry_reads_as_a_miss(cfg: dict[str, Any], attacker: red
         old = unpack_entry(old_raw)
         st.clear([ns])
         housekeep(st)
-        regions_key = st.attached().alloc.key(0, "regions")
+        regions_key = st.space.attached().key(0, "regions")
         fillers = keys(3000, "filler")  # three times what the store holds: regions are evicted and used again
         for i in range(0, len(fillers), 100):
             st.write(ns, fillers[i : i + 100], views(pages(100, 4096, 100 + i)), False)
@@ -170,7 +171,7 @@ def test_a_lost_key_turns_every_page_into_a_miss(cfg: dict[str, Any], tmp_path: 
         assert Path(f).read_bytes() != old
         assert read(st, ns, ks)[0] == [False] * 3
         assert st.exists([(ns, ks)]) == [[False] * 3]
-        assert st.check() == []
+        assert inspect.check(st) == []
     finally:
         st.close()
 

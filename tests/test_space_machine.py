@@ -1,10 +1,11 @@
-"""A Hypothesis state machine of the allocator and index against a plain Python model.
+"""A Hypothesis state machine of the space layer and the index against a plain Python model.
 
 Three page sizes (one not 4 KiB aligned) share a 1 MiB store (16 regions of 64 KiB)
-through several processes, some of which die between taking slots, writing them and
+through several processes, some of which die between reserving slots, writing them and
 committing. After every step: ``check()`` finds every slot in exactly one state and
-the page bytes verified, allocation is within capacity, and every read returned the
-bytes the model holds for that key, or a miss.
+the page bytes verified, and allocation is within capacity; every hit of a read or a
+probe is a key the model holds (acknowledged and not cleared since), with the bytes the
+model holds for it. A key the model holds may be a miss (evicted).
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from sglang_tierstore import TierStore
-from sglang_tierstore.eviction import Housekeeper
+from sglang_tierstore import TierStore, inspect
+from sglang_tierstore.schema import entry_fields
 from sglang_tierstore.store import Namespace
 
 KiB = 1 << 10
@@ -48,7 +49,6 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.procs: list[TierStore] = []
         self.dead: list[TierStore] = []
         self.model: dict[tuple[int, int], bytes] = {}  # acknowledged and not cleared since
-        self.ever: set[tuple[int, int]] = set()  # ever acknowledged
 
     @initialize()
     def start(self) -> None:
@@ -89,7 +89,6 @@ class AllocatorMachine(RuleBasedStateMachine):
         for k, good in zip(ks, ok):
             if good:
                 self.model[(n, k)] = bytes(page_bytes_for(n, k, ns.page_bytes))
-                self.ever.add((n, k))
 
     @rule(p=st.integers(0, 2), data=st.data())
     @precondition(lambda self: bool(self.model))
@@ -108,8 +107,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         ok = proc.read(ns, [KEYS[k] for k in ks], views(out), False)
         for k, good, got in zip(ks, ok, out):
             if good:
-                assert (n, k) in self.ever, f"hit for a key never acknowledged: {(n, k)}"
-                assert bytes(got) == bytes(page_bytes_for(n, k, ns.page_bytes)), f"wrong bytes for {(n, k)}"
+                assert (n, k) in self.model, f"hit for a key the model does not hold: {(n, k)}"
+                assert bytes(got) == self.model[(n, k)], f"wrong bytes for {(n, k)}"
 
     @rule(p=st.integers(0, 2), n=st.integers(0, 2))
     def probe(self, p: int, n: int) -> None:
@@ -117,23 +116,21 @@ class AllocatorMachine(RuleBasedStateMachine):
         (present,) = proc.exists([(self.ns(proc, n), KEYS)])
         for k, there in enumerate(present):
             if there:
-                assert (n, k) in self.ever, f"probe hit for a key never acknowledged: {(n, k)}"
+                assert (n, k) in self.model, f"probe hit for a key the model does not hold: {(n, k)}"
 
-    @rule(p=st.integers(0, 2), n=st.integers(0, 2), count=st.integers(1, 6), write=st.booleans())
+    @rule(p=st.integers(0, 2), n=st.integers(0, 2), ks=st.lists(st.integers(0, len(KEYS) - 1), min_size=1, max_size=6),
+          write=st.booleans())
     @precondition(lambda self: len(self.procs) > 1)
-    def crash(self, p: int, n: int, count: int, write: bool) -> None:
-        """A process takes slots (RESERVE), maybe writes them, and dies before COMMIT."""
+    def crash(self, p: int, n: int, ks: list[int], write: bool) -> None:
+        """A process reserves slots, maybe writes junk into them, and dies before its commit."""
         proc = self.procs.pop(p % len(self.procs))
         ns = self.ns(proc, n)
-        a = proc.attached()
-        proc._fill_stock(a, ns.page_bytes, {s: count for s in range(a.att.geometry.shards)})
-        for s in range(a.att.geometry.shards):
-            for r, slot, _ in a.alloc.take(s, ns.page_bytes, count):
+        a = proc.space.attached()
+        with a.reserve(ns.page_bytes, entry_fields(ns.ns_id, [KEYS[k] for k in ks])) as res:
+            for place in res.places.values():
                 if write:
-                    g = a.att.geometry
-                    junk = bytearray(b"\xee" * ns.page_bytes)
-                    a.files.write(g.file_of(r), g.slot_offset(r, slot, ns.page_bytes), [memoryview(junk)], ns.page_bytes, False)
-        self.dead.append(proc)  # no close(): its leases stay until they expire
+                    a.pages.write(place.file, place.offset, [memoryview(b"\xee" * ns.page_bytes)], ns.page_bytes, False)
+        self.dead.append(proc)  # no commit, no close(): its lease stays until it expires
 
     @rule(dt=st.sampled_from([1.0, LEASE_S + 1]))
     def time_passes(self, dt: float) -> None:
@@ -141,7 +138,7 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     @rule(p=st.integers(0, 2))
     def housekeeping(self, p: int) -> None:
-        Housekeeper(self.procs[p % len(self.procs)]).run_once(audit=True)
+        self.procs[p % len(self.procs)].space.housekeeping.run_once(audit=True)
 
     @rule(p=st.integers(0, 2), n=st.integers(0, 2))
     def clear(self, p: int, n: int) -> None:
@@ -153,16 +150,16 @@ class AllocatorMachine(RuleBasedStateMachine):
     def set_capacity(self, p: int, mib: float) -> None:
         proc = self.procs[p % len(self.procs)]
         self.capacity = int(mib * (1 << 20))
-        proc.set_capacity(self.capacity)
-        Housekeeper(proc).run_once(audit=False)
+        proc.space.set_capacity(self.capacity)
+        proc.space.housekeeping.run_once(audit=False)
 
     @invariant()
     def consistent(self) -> None:
         if not self.procs:
             return
         proc = self.procs[0]
-        assert proc.check() == []
-        u = proc.usage()
+        assert inspect.check(proc) == []
+        u = inspect.usage(proc)
         # regions still holding slots leased to a writer drain out when it gives them back
         assert u["allocated_bytes"] - u["draining_regions"] * u["region_bytes"] <= self.capacity
 
@@ -170,9 +167,9 @@ class AllocatorMachine(RuleBasedStateMachine):
         for p in self.procs:
             p.close()
         for p in self.dead:
+            p.space.attached().pages.close()
             p.index.close()
             p.io.close()
-            p.attached().files.close()
 
 
 class ShardedMachine(AllocatorMachine):
