@@ -104,7 +104,7 @@ import torch  # noqa: E402
 from pools import fill, mha_pool, mla_pool, page_indices, storage_config  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import HiCacheFile, PoolName, PoolTransfer  # noqa: E402
 
-from sglang_tierstore import TierStoreBackend  # noqa: E402
+from sglang_tierstore import TierStoreBackend, inspect  # noqa: E402
 from sglang_tierstore import store as ts_store  # noqa: E402
 from sglang_tierstore.hostmem import ALIGN  # noqa: E402
 from sglang_tierstore.schema import entry_field  # noqa: E402
@@ -286,7 +286,7 @@ def tierstore_rounds(path: str, redis_url: str, pool: Any, threads: int, v2: boo
                 if not checksum:
                     patches.enter_context(mock.patch.object(ts_store, "checksum", lambda regions: 0))
                 if not coalesce:
-                    patches.enter_context(mock.patch.object(ts_store, "MAX_RUN_BYTES", 0))
+                    patches.enter_context(mock.patch.object(ts_store, "MAX_RUN_BYTES", main.namespace().page_bytes))
                 redis_s.s = 0.0
                 w = timed(lambda: out.append(set_()))
                 write_redis_ms.append(1e3 * redis_s.s)
@@ -354,7 +354,7 @@ def steady_rounds(path: str, redis_url: str, pool: Any, other: Any, threads: int
     finally:
         info["write_redis_ms"] = stats(write_redis_ms) if write_redis_ms else None
         info["regions_evicted_per_round"] = stats([float(e) for e in evicted]) if evicted else None
-        info["region_bytes"] = main.store.usage()["region_bytes"]
+        info["region_bytes"] = inspect.usage(main.store)["region_bytes"]
         info["other_page_bytes"] = o_bytes
         assert main.check(verify_pages=False) == []
         main.close()
@@ -438,11 +438,11 @@ def bench_probe(path: str, redis_url: str, repeat: int) -> dict[str, Any]:
         import redis
 
         r = redis.Redis.from_url(redis_url)
-        a = be.store.attached()
+        a = be.store.space.attached()
         ns = be.namespace()
         fields = [entry_field(ns.ns_id, k) for k in keys]
-        entries = a.alloc.key(0, "entries")
-        names = [f"{{{a.att.tag}:0}}:".encode() + f for f in fields]  # string keys as long as a shard key + field
+        entries = a.key(0, "entries")
+        names = [f"{{{a.tag}:0}}:".encode() + f for f in fields]  # string keys as long as a shard key + field
         values = r.hmget(entries, fields)
         r.mset(dict(zip(names, values)))
         missing = sgl_key()
@@ -514,7 +514,7 @@ def count_redis_time(be: TierStoreBackend) -> RedisTime:
     """Wrap the backend's index calls to add up the time spent waiting on Redis."""
     acc = RedisTime()
     idx = be.store.index
-    for name in ("hmget", "scripts"):
+    for name in ("hmget", "calls"):
         fn = getattr(idx, name)
 
         def timed_call(*a: Any, _fn: Callable[..., Any] = fn, **k: Any) -> Any:
@@ -566,9 +566,8 @@ class TierstoreMix:
         cap = (READ_SETS * self.read_pages + (KEEP + 2) * BATCH) * page / (1 << 30)
         self.be = backend(self.dir, redis_url, threads, capacity_gb=cap)
         self.be.register_mem_pool_host(pool)
-        kv = self.be._pool("kv")
-        assert kv.plan is not None and kv.plan.aligned, "not zero-copy O_DIRECT"
-        self.ns = kv.ns
+        assert self.be.zero_copy(), "not zero-copy O_DIRECT"
+        self.ns = self.be.namespace()
         self.reads = [[sgl_key() for _ in range(self.read_pages)] for _ in range(READ_SETS)]
         for keys in self.reads:
             assert all(self.be.batch_set_v1(keys, self.src[: self.read_pages * ps]))
@@ -865,7 +864,7 @@ def print_row(spec: str, row: dict[str, Any]) -> None:
           f"  ts_v1 / hicache: write {med(v1, 'write_gbps') / med(hf, 'write_gbps'):.2f}, cold read "
           f"{med(v1, 'read_cold_gbps') / med(hf, 'read_cold_gbps'):.2f}, warm read {med(v1, 'read_warm_gbps') / med(hf, 'read_warm_gbps'):.2f}")
     nc, gb = row["ts_v1_nocks"], row["page_bytes"] * BATCH / 1e9
-    for op, calls, rate, limit in (("write", "COMMIT", "write_gbps", disk_w), ("cold read", "HMGET", "read_cold_gbps", disk_r)):
+    for op, calls, rate, limit in (("write", "commit", "write_gbps", disk_w), ("cold read", "HMGET", "read_cold_gbps", disk_r)):
         rms, secs = v1[op.split()[-1] + "_redis_ms"]["median"], gb / med(v1, rate)
         print(f"  ts_v1 {op} batch: {1e3 * secs:.1f} ms, of which {rms:.1f} ms in Redis ({calls});"
               f" without it / disk: {gb / (secs - rms / 1e3) / limit:.2f}")

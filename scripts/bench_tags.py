@@ -32,7 +32,6 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 from engine_kit import engine, pages, views  # noqa: E402
 
-from sglang_tierstore.allocator import Slot  # noqa: E402
 from sglang_tierstore.embedded import ensure_embedded_redis, stop_embedded_redis  # noqa: E402
 from sglang_tierstore.perms import PRIVATE  # noqa: E402
 from sglang_tierstore.schema import ENTRY_HEAD, entry_fields  # noqa: E402
@@ -50,13 +49,12 @@ def median_s(fn: Callable[[], object], reps: int) -> float:
 
 def tag_costs(st: TierStore, n: int, reps: int) -> dict[str, float]:
     """Median seconds to make ``n`` entry tails (checksum and tag) and to check ``n`` entries."""
-    a = st.attached()
+    tags = st.space.attached().tags
     fields = entry_fields(b"\x01" * 8, [hashlib.sha256(str(i).encode()).hexdigest() for i in range(n)])
-    slots = [Slot(7, i, 3) for i in range(n)]
-    values = [ENTRY_HEAD.pack(7, 3, i) + st._tail(a, f, s, i) for i, (f, s) in enumerate(zip(fields, slots))]
-    make = median_s(lambda: [st._tail(a, f, s, i) for i, (f, s) in enumerate(zip(fields, slots))], reps)
-    check = median_s(lambda: [a.tags.valid(f, v) for f, v in zip(fields, values)], reps)
-    assert all(a.tags.valid(f, v) for f, v in zip(fields, values))
+    values = [ENTRY_HEAD.pack(7, 3, i) + tags.tail(f, 7, 3, i, i) for i, f in enumerate(fields)]
+    make = median_s(lambda: [tags.tail(f, 7, 3, i, i) for i, f in enumerate(fields)], reps)
+    check = median_s(lambda: [tags.valid(f, v) for f, v in zip(fields, values)], reps)
+    assert all(tags.valid(f, v) for f, v in zip(fields, values))
     return {"make_s": make, "check_s": check}
 
 

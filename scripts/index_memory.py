@@ -31,6 +31,8 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 from engine_kit import engine  # noqa: E402
 
+from sglang_tierstore import inspect  # noqa: E402
+
 TB = 1 << 40
 
 
@@ -55,7 +57,7 @@ def main() -> int:
                      "capacity_gb": max(1.0, 2 * a.pages * page / (1 << 30)), "o_direct": False})
         namespaces = [st.namespace({"model": m}, page) for m in ("a", "b")]
         buf = [memoryview(bytearray(os.urandom(page)))]
-        st.flush_touches()
+        st.space.attached().flush_touches()
         before = st.index.memory_used()
         t0 = time.monotonic()
         for i in range(0, a.pages, 128):
@@ -64,7 +66,7 @@ def main() -> int:
             ns = namespaces[(i // 128) % 2]
             assert st.write(ns, keys, [buf] * n, False) == [True] * n
         took = time.monotonic() - t0
-        u = st.usage()
+        u = inspect.usage(st)
         after = st.index.memory_used()
         assert u["pages"] == a.pages, u
         per_page = (after - before) / a.pages

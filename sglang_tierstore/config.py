@@ -1,6 +1,6 @@
 """Configuration: one frozen dataclass built from SGLang's ``extra_config`` dict.
 
-Every key lives in ``SETTINGS`` (name, default, check, meaning); README's table is
+Every key lives in ``SETTINGS`` (name, default, check, meaning); docs/configuration.md's table is
 generated from it (``python -m sglang_tierstore.config``). Unknown keys and bad
 values raise :class:`ConfigError` naming the key. Keys that SGLang itself reads
 from the same dict are accepted and left alone.
@@ -185,14 +185,14 @@ class Setting(NamedTuple):
 SETTINGS: dict[str, Setting] = {
     "path": Setting(None, _paths, "Directory for page files, or a list of directories (one per NVMe device) that files are striped over."),
     "redis_url": Setting(None, _redis_url, "Redis holding the index. Unset: start (or join) an embedded Redis (see `redis_server`) on a unix socket under the first path, with AOF there."),
-    "capacity_gb": Setting(64.0, _positive_number, "Upper bound on page-file bytes on disk (GiB), over every directory. Any size from a few MiB up; a new value at start-up (or `TierStore.set_capacity` while running) evicts down to it and returns the disk space."),
+    "capacity_gb": Setting(64.0, _positive_number, "Upper bound on page-file bytes on disk (GiB), over every directory. Any size from a few MiB up; a new value at start-up (or `store.space.set_capacity` while running) evicts down to it and returns the disk space."),
     "namespace": Setting("", _str, "Extra namespace mixed into every key (e.g. a model revision): stores with different namespaces never share pages."),
     "redis_prefix": Setting("tierstore", _prefix, "Prefix of every Redis key this store owns; stores with different prefixes are independent, also on one path."),
     "index_shards": Setting(1, _positive_int, "Allocator shards of the index, fixed when a store is created (one per Redis Cluster node; 1 for a standalone Redis or Valkey)."),
     "io_threads": Setting(8, _positive_int, "Threads issuing preadv/pwritev in parallel (queue depth)."),
     "o_direct": Setting(True, _bool, "Use O_DIRECT when buffers are 4 KiB aligned and the filesystem allows it; buffered I/O otherwise."),
     "fsync": Setting("none", _choice("none", "commit"), "`commit`: fdatasync page files before a write is published; `none`: rely on checksums after a crash."),
-    "read_timeout_s": Setting(0.0, _non_negative_number, "How long a batch read waits for the disk (s). `0`: until it answers, reading straight into host memory. Above 0: pages not read in time are misses (`tierstore_errors_total{kind=\"io_read_timeout\"}`), and reads are staged in the I/O threads' own memory and copied into host memory, so a read given up on never lands in memory SGLang has reused (the copy's cost: README, Performance). Writes always wait."),
+    "read_timeout_s": Setting(0.0, _non_negative_number, "How long a batch read waits for the disk (s). `0`: until it answers, reading straight into host memory. Above 0: pages not read in time are misses (`tierstore_errors_total{kind=\"io_read_timeout\"}`), and reads are staged in the I/O threads' own memory and copied into host memory, so a read given up on never lands in memory SGLang has reused (the copy's cost: docs/performance.md). Writes always wait."),
     "redis_timeout_s": Setting(0.5, _positive_number, "Socket timeout of every Redis call: an upper bound on how long Redis trouble can stall a batch."),
     "redis_retry_s": Setting(1.0, _positive_number, "After a Redis failure, answer misses without trying Redis for this long, then try again."),
     "lease_s": Setting(60.0, _positive_number, "Slots leased to a writer that stops renewing them (it crashed or stalled) for this long are reclaimed."),
@@ -291,7 +291,7 @@ assert [f.name for f in fields(TierStoreConfig)] == list(SETTINGS), "SETTINGS an
 
 
 def markdown_table() -> str:
-    """README's table of settings, generated from SETTINGS."""
+    """docs/configuration.md's table of settings, generated from SETTINGS."""
     rows = ["| key | default | meaning |", "|---|---|---|"]
     for name, s in SETTINGS.items():
         default = "(required)" if name == "path" else "unset" if s.default is None else f"`{json.dumps(s.default)}`"

@@ -249,25 +249,26 @@ class RedisIndex:
             return list(pipe.execute(raise_on_error=False))
 
         def run() -> list[Any]:
-            for attempt in (0, 1):
+            loaded = False
+            while True:  # at most three sends: a switch to scripts (once ever), a load (once)
                 mode = self._mode
                 out = send(mode)
                 if mode == "functions" and any(_unknown_command(o) for o in out):
                     self._mode = "scripts"  # a server without functions: the same code as scripts
                     continue
-                missing = [calls[i][0] for i, o in enumerate(out) if _not_loaded(o)]
-                if missing and not attempt:
+                missing = {calls[i][0] for i, o in enumerate(out) if _not_loaded(o)}
+                if missing and not loaded:
                     if mode == "functions":
                         _load_functions(self._r, library.code)
                     else:
-                        for f in set(missing):
+                        for f in missing:
                             self._r.script_load(library.scripts[f])
+                    loaded = True
                     continue
                 for o in out:
                     if isinstance(o, Exception):
                         raise o
                 return out
-            raise TierStoreError("the index does not keep the Lua library loaded")
 
         return self._call(run)
 

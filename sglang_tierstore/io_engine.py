@@ -13,10 +13,9 @@ can wait. So the engine keeps two queues of batches, reads and writes, and a wor
 that becomes free takes its next claim from the oldest read batch if there is one (but
 see below: nothing starves). Writes are cut finely: the store hands them over as units
 of at most ``MAX_RUN_BYTES``, cutting pages larger than that into pieces. A worker
-claims an even share of a write batch, a contiguous stretch (threads taking turns at
-single 1 MiB units instead wrote 2 MiB pages at 0.89x the rate on our test VM, in one
-A/B run, not committed), but between units it hands the rest of its claim back as soon
-as a read is queued: first in line, and cut into even shares again, so that once the
+claims an even share of a write batch, a contiguous stretch (sequential writes per
+thread; threads taking turns at single units wrote large pages more slowly), but between
+units it hands the rest of its claim back as soon as a read is queued: first in line, and cut into even shares again, so that once the
 reads are done it spreads over every free thread. So a read arriving while every thread
 is writing waits for at most one small write per thread, never for the rest of a
 backup, as long as at most ``reads_per_write`` read claims wait in a row (8 MiB of

@@ -260,7 +260,7 @@ def lua_prelude() -> str:
         f"local {names}",
         f"local function bind_keys(keys) {names} = unpack(keys, 1, {len(SHARD_KEYS)}) end",
         f"local ENTRY_HEAD, ENTRY_HEAD_BYTES = '{_lua_struct(ENTRY_HEAD.format)}', {ENTRY_HEAD.size}",
-        f"local REGION_FMT = '<{''.join(f'I{n}' for _, n in REGION_FIELDS)}'",
+        f"local REGION_FMT, REGION_BYTES = '<{''.join(f'I{n}' for _, n in REGION_FIELDS)}', {REGION.size}",
         f"local FIELD, TAIL, ALIGN = {FIELD_BYTES}, {TAIL_BYTES}, {ALIGN}",
         f"local ZERO = '{zero}'  -- the member field of a slot holding no page",
         f"local HOLE, FREE, USED, DRAINING = {HOLE}, {FREE}, {USED}, {DRAINING}",

@@ -27,7 +27,6 @@ from sglang_tierstore.pagefile import FileRef, PageFiles, checksum
 from sglang_tierstore.perms import modes, redis_password, redis_tls
 from sglang_tierstore.schema import (
     ENTRY,
-    ENTRY_HEAD,
     EXISTS,
     STORED,
     Entry,
@@ -41,7 +40,6 @@ from sglang_tierstore.schema import (
 )
 from sglang_tierstore.space import Attachment, Space, by_shard
 from sglang_tierstore.space.geometry import slots_per_region
-from sglang_tierstore.space.leases import Slot
 
 logger = logging.getLogger(__name__)
 
@@ -413,11 +411,6 @@ class TierStore:
         self.metrics.observe("write", mod_time.perf_counter() - t0)
         return results
 
-    def _tail(self, a: Attachment, field: bytes, slot: Slot, crc: int) -> bytes:
-        """An entry after its head, as the writer sends it: checksum and tag."""
-        signed = ENTRY_HEAD.pack(slot.region, slot.gen, slot.slot) + crc.to_bytes(8, "little")
-        return signed[ENTRY_HEAD.size :] + a.tags.tag(field, signed)
-
     def _write(self, a: Attachment, ns: Namespace, keys: Sequence[str], srcs: Sequence[Regions], aligned: bool) -> list[bool]:
         pb = ns.page_bytes
         fields = entry_fields(ns.ns_id, keys)
@@ -431,7 +424,8 @@ class TierStore:
                 a.pages.write(run[0].file, run[0].offset + off, piece, sum(map(len, piece)), aligned)
 
             with self.io.submit(write_unit, units, len(res.places) * pb // max(1, len(units)), write=True) as batch:
-                tails = {i: self._tail(a, fields[i], p.slot, checksum(srcs[i])) for i, p in res.places.items()}
+                tails = {i: a.tags.tail(fields[i], p.slot.region, p.slot.gen, p.slot.slot, checksum(srcs[i]))
+                         for i, p in res.places.items()}
                 outcomes = batch.results()  # while the pages are being written
             failed: set[int] = set()
             for (run, _, _), o in zip(units, outcomes):

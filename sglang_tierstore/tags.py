@@ -26,7 +26,7 @@ from typing import Sequence
 
 from sglang_tierstore.errors import ConfigError
 from sglang_tierstore.perms import Modes, write_file
-from sglang_tierstore.schema import SIGNED_BYTES, TAG_BYTES
+from sglang_tierstore.schema import ENTRY_HEAD, SIGNED_BYTES, TAG_BYTES
 
 KEY_FILE = "entry.key"
 KEY_BYTES = 32
@@ -44,6 +44,11 @@ class EntryTags:
         h.update(field)
         h.update(signed)
         return h.digest()
+
+    def tail(self, field: bytes, region: int, gen: int, slot: int, checksum: int) -> bytes:
+        """An entry after its head, as a writer sends it: the page's checksum and the tag."""
+        signed = ENTRY_HEAD.pack(region, gen, slot) + checksum.to_bytes(8, "little")
+        return signed[ENTRY_HEAD.size :] + self.tag(field, signed)
 
     def valid(self, field: bytes, value: bytes) -> bool:
         return hmac.compare_digest(self.tag(field, value[:SIGNED_BYTES]), value[SIGNED_BYTES:])

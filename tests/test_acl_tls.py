@@ -183,9 +183,9 @@ def test_the_acl_rule_allows_every_command_the_library_calls() -> None:
     assert not re.search(r"redis\.p?call\(\s*[^'\"\s]", LIBRARY.code)  # no computed command names
 
 
-def test_the_readme_and_the_deploy_config_show_the_acl_rule() -> None:
+def test_the_docs_and_the_deploy_config_show_the_acl_rule() -> None:
     rule = acl_rule("tierstore")
-    assert rule in (ROOT / "README.md").read_text()
+    assert rule in (ROOT / "docs" / "guarantees.md").read_text()
     assert rule in (ROOT / "deploy" / "redis-tierstore.conf").read_text()
 
 
@@ -225,7 +225,7 @@ def test_an_acl_user_with_only_the_rule_does_everything_the_engine_does(
         user.get("someone-else:key")
     with pytest.raises(redis.exceptions.NoPermissionError):
         user.flushall()
-    assert b"someone-else:key" in user.scan(0, count=1000)[1]  # SCAN is not filtered by key patterns (README)
+    assert b"someone-else:key" in user.scan(0, count=1000)[1]  # SCAN is not filtered by key patterns (docs/guarantees.md)
 
 
 def test_an_acl_user_through_sglang_and_a_wrong_password(

@@ -122,7 +122,7 @@ def stored_pages(r: redis.Redis, cfg: dict[str, Any]) -> int:
     return sum(r.hlen(k) for k in r.scan_iter(match="{" + cfg["redis_prefix"] + ":*}:entries"))
 
 
-@pytest.mark.slow
+@pytest.mark.server
 def test_attach_serve_clear_detach_and_attach_another_store_at_runtime(
         model: str, tmp_path: Path, private_redis: RedisProc) -> None:
     r = redis.Redis.from_url(private_redis.url)

@@ -1,8 +1,9 @@
 """The real `sglang.launch_server` on CPU with the tiny model, tierstore as its L3.
 
-Each server takes about a minute to start on 2 cores, so the module starts as
-few as the claims allow: a reference server without HiCache, servers A and B
-sharing one store, A again after a restart, one under fault injection, and one
+Each server takes 30-60 s to start on 2 cores, so the module starts as few as the
+claims allow: server A, whose first chat (nothing in L2 or L3 yet) is the reference the
+others' outputs must equal; server B, started beside A on the same store, whose first
+request (a fresh process's) is served from storage; one under fault injection; and one
 with two TP ranks and --enable-metrics.
 """
 
@@ -11,8 +12,9 @@ from __future__ import annotations
 import os
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import dashboard
 import pytest
@@ -22,6 +24,8 @@ from conftest import RedisProc, free_port
 from cpu_harness import tiny_model
 from cpu_harness.server import Server, conversation, cpu_args, tierstore_config, tp_env
 from prometheus_client.parser import text_string_to_metric_families
+
+pytestmark = pytest.mark.server
 
 PROMPTS = conversation(3)
 
@@ -43,19 +47,36 @@ def logdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(model: str, logdir: Path) -> list[str]:
-    """Greedy outputs of a server without hierarchical cache."""
-    with Server(model, free_port(), str(logdir / "reference.log"), cpu_args()) as s:
-        s.wait_ready()
-        return [s.generate(p)[0] for p in PROMPTS]
-
-
-@pytest.fixture(scope="module")
 def store_cfg(tmp_path_factory: pytest.TempPathFactory, redis_proc: RedisProc) -> dict[str, Any]:
     return tierstore_config(
         redis_url=redis_proc.url, redis_prefix="e2e-" + uuid.uuid4().hex[:8],
         path=str(tmp_path_factory.mktemp("e2e-store")), capacity_gb=0.5,
     )
+
+
+@dataclass
+class First:
+    """Server A, running, and the outputs of its first chat."""
+
+    server: Server
+    outputs: list[str]
+
+
+@pytest.fixture(scope="module")
+def server_a(model: str, logdir: Path, store_cfg: dict[str, Any]) -> Iterator[First]:
+    """Server A after its first chat: greedy outputs computed with nothing in L2 or L3
+    (turns after the first reuse the device cache), the reference every later output of
+    every server must equal. The test that uses A stops it when done."""
+    with Server(model, free_port(), str(logdir / "a.log"), cpu_args(store_cfg)) as a:
+        a.wait_ready()
+        outputs, tiers = chat(a)
+        assert all(t.get("host", 0) == 0 and t.get("storage", 0) == 0 for t in tiers), tiers
+        yield First(a, outputs)
+
+
+@pytest.fixture(scope="module")
+def reference(server_a: First) -> list[str]:
+    return server_a.outputs
 
 
 def chat(s: Server) -> tuple[list[str], list[dict[str, int]]]:
@@ -83,36 +104,26 @@ def wait_for_backup(cfg: dict[str, Any], timeout: float = 30) -> int:
 
 
 def test_multi_turn_chat_hits_storage_after_flush_and_a_second_server_shares_it(
-    model: str, logdir: Path, reference: list[str], store_cfg: dict[str, Any]
+    model: str, logdir: Path, server_a: First, store_cfg: dict[str, Any]
 ) -> None:
-    with Server(model, free_port(), str(logdir / "a.log"), cpu_args(store_cfg)) as a:
-        a.wait_ready()
-        first, _ = chat(a)
-        second, tiers = chat(a)  # second hit: write_through_selective backs these up
-        assert all(t.get("device", 0) > 0 for t in tiers)
-        wait_for_backup(store_cfg)
-        a.flush()
-        third, tiers = chat(a)
-        assert tiers[0].get("storage", 0) > 0, tiers
-        assert sum(t.get("storage", 0) for t in tiers) >= tiers[0]["storage"]
-        assert first == second == third == reference
-        # server B, running beside A on the same Redis and path, starts with nothing cached
-        with Server(model, free_port(), str(logdir / "b.log"), cpu_args(store_cfg)) as b:
-            b.wait_ready()
-            text, meta = b.generate(PROMPTS[-1])
-            assert meta["cached_tokens_details"].get("storage", 0) > 0, meta
-            assert meta["cached_tokens_details"].get("device", 0) == 0
-            assert text == reference[-1]
-
-
-def test_warm_restart_serves_the_first_request_from_storage(
-    model: str, logdir: Path, reference: list[str], store_cfg: dict[str, Any]
-) -> None:
-    with Server(model, free_port(), str(logdir / "restart.log"), cpu_args(store_cfg)) as s:
-        s.wait_ready()
-        text, meta = s.generate(PROMPTS[-1])
+    a, reference = server_a.server, server_a.outputs
+    second, tiers = chat(a)  # second hit: write_through_selective backs these up
+    assert all(t.get("device", 0) > 0 for t in tiers)
+    wait_for_backup(store_cfg)
+    a.flush()
+    third, tiers = chat(a)
+    # every turn reads from storage what the flush took: the first its whole prefix, the
+    # later ones their new part beyond what the turn before brought back to the device
+    assert all(t.get("storage", 0) > 0 for t in tiers), tiers
+    assert second == third == reference
+    # server B, a fresh process beside A on the same Redis and path, starts with nothing cached
+    with Server(model, free_port(), str(logdir / "b.log"), cpu_args(store_cfg)) as b:
+        b.wait_ready()
+        text, meta = b.generate(PROMPTS[-1])
         assert meta["cached_tokens_details"].get("storage", 0) > 0, meta
+        assert meta["cached_tokens_details"].get("device", 0) == 0
         assert text == reference[-1]
+    a.stop()
 
 
 def test_fault_injection_and_redis_outage_keep_outputs_identical(

@@ -464,3 +464,17 @@ def test_a_batch_lands_in_adjacent_slots_and_reads_back_in_few_ios(cfg: dict[str
         assert inspect.check(st) == []
     finally:
         st.close()
+
+
+def test_a_store_is_a_context_manager_that_closes(cfg: dict[str, Any]) -> None:
+    from sglang_tierstore.errors import StoreClosed
+
+    with engine(cfg) as st:
+        ns = st.namespace({}, 4096)
+        assert st.write(ns, keys(2), views(pages(2, 4096, 1)), False) == [True, True]
+        assert inspect.usage(st)["leases"] == 1  # this thread's stock
+    with pytest.raises(StoreClosed):
+        st.exists([(ns, keys(2))])
+    with engine(cfg) as again:
+        assert inspect.usage(again)["leases"] == 0  # given back at close, not left to expire
+        assert again.exists([(again.namespace({}, 4096), keys(2))]) == [[True, True]]

@@ -62,7 +62,7 @@ WORKLOAD = [
 ]
 
 
-@pytest.mark.slow
+@pytest.mark.server
 def test_end_to_end_against_the_cpu_server(model: str, tmp_path: Path, redis_proc: RedisProc) -> None:
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/sglang-tierstore/torch_extensions"))
     cfg = tierstore_config(redis_url=redis_proc.url, redis_prefix="lt-" + uuid.uuid4().hex[:8],

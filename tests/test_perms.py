@@ -390,3 +390,23 @@ def test_a_bad_password_source_is_named_without_the_password(tmp_path: Path, ext
         TierStoreBackend(storage_config(cfg), {})
     assert "visible-pw" not in str(e.value)
     assert not (tmp_path / "s").exists()  # refused before anything was created
+
+
+@pytest.mark.parametrize("fails", ["write", "fsync", "replace", "link"])
+def test_a_file_whose_write_fails_leaves_no_temporary_file_and_the_old_one_whole(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fails: str) -> None:
+    """write_file stages under a temporary name: a failing write, sync, rename or link (a
+    full disk, EIO) leaves neither that name nor a part of the new bytes behind."""
+    from sglang_tierstore import perms
+
+    target = tmp_path / "marker.json"
+    target.write_bytes(b"old")
+
+    def broken(*a: Any, **k: Any) -> Any:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(perms.os, fails, broken)
+    with pytest.raises(OSError, match="No space left"):
+        perms.write_file(str(target), b"new", perms.PRIVATE, replace=fails != "link")
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["marker.json"] and target.read_bytes() == b"old"

@@ -190,11 +190,11 @@ MACHINE_SETTINGS = settings(max_examples=int(os.environ.get("TS_MACHINE_EXAMPLES
                             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 
-def test_allocator_against_a_model() -> None:
+def test_space_against_a_model() -> None:
     AllocatorMachine.TestCase.settings = MACHINE_SETTINGS
     AllocatorMachine.TestCase().runTest()
 
 
-def test_sharded_allocator_against_a_model() -> None:
+def test_sharded_space_against_a_model() -> None:
     ShardedMachine.TestCase.settings = MACHINE_SETTINGS
     ShardedMachine.TestCase().runTest()

@@ -19,7 +19,7 @@ local function snapshot_regions(keys, args)
     out[#out + 1] = redis.call('ZSCORE', K_PUNCH, r) and 1 or 0
     out[#out + 1] = redis.call('ZSCORE', K_DRAIN, r) and 1 or 0
     local openr = ''
-    if #rec > 0 then
+    if #rec == REGION_BYTES then  -- a record check() can read (it reports the others)
       local pb = struct.unpack(REGION_FMT, rec)
       openr = redis.call('HGET', K_OPEN, pb) or ''
     end

@@ -1,0 +1,113 @@
+"""The Lua library on the server: Redis Functions where the server has them, scripts where
+it does not, reloaded when the server lost it, kept across a restart from the AOF. Each on
+redis-server and valkey-server."""
+
+from __future__ import annotations
+
+import re
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from conftest import RedisProc, keys
+from engine_kit import MiB, engine, housekeep, pages, read, views
+from monitor import Monitor
+
+from sglang_tierstore import inspect
+from sglang_tierstore.space.library import LIBRARY, LUA_FILES
+
+
+def cfg_for(tmp_path: Path, proc: RedisProc) -> dict[str, Any]:
+    return {"path": str(tmp_path / "s"), "redis_url": proc.url, "redis_prefix": "lib-" + uuid.uuid4().hex[:8],
+            "capacity_gb": 2 * MiB / (1 << 30), "io_threads": 2}
+
+
+def round_trip(st: Any, tag: str) -> None:
+    ns = st.namespace({"m": 1}, 65536)
+    src = pages(4, 65536, len(tag))
+    assert st.write(ns, keys(4, tag), views(src), False) == [True] * 4
+    assert read(st, ns, keys(4, tag)) == ([True] * 4, src)
+
+
+def test_the_library_is_every_lua_file_after_the_generated_prelude() -> None:
+    """One function per job, registered once each; read-only functions flagged for replicas."""
+    assert LUA_FILES == ("core", "regions", "leases", "writes", "sweep", "files", "inspect")
+    assert sorted(LIBRARY.scripts) == sorted(["lease", "commit", "release", "release_draining", "drop", "sweep", "punched",
+                                              "add_file", "file_ready", "lose_file", "snapshot_regions",
+                                              "snapshot_entries", "counts", "unlink_members"])
+    assert LIBRARY.code.startswith(f"#!lua name={LIBRARY.name}\n") and re.fullmatch(r"tierstore_[0-9a-f]{12}", LIBRARY.name)
+    assert "local K_CONF," in LIBRARY.code  # the generated prelude, then the files
+    for name, text in LIBRARY.scripts.items():
+        assert text.rstrip().endswith(f"return FUNCTIONS['{name}'](KEYS, ARGV)")
+
+
+def test_functions_are_loaded_once_and_kept_across_a_restart_from_the_aof(tmp_path: Path, server: str) -> None:
+    proc = RedisProc(tmp_path / "redis", appendonly=True, args=("--appendfsync", "always"), server=server)
+    try:
+        cfg = cfg_for(tmp_path, proc)
+        mon = Monitor(proc.port)
+        st = engine(cfg)
+        try:
+            round_trip(st, "a")
+            assert st.index.uses_functions
+        finally:
+            st.close()
+        first = mon.commands()
+        assert first["FUNCTION"] == 1 and first["FCALL"] >= 2 and "EVALSHA" not in first
+        proc.kill()
+        proc.start()  # from its AOF: the library with it
+        assert redis.Redis.from_url(proc.url).function_list(library=LIBRARY.name)
+        mon = Monitor(proc.port)
+        st = engine(cfg)
+        try:
+            round_trip(st, "b")
+        finally:
+            st.close()
+        again = mon.commands()
+        assert "FUNCTION" not in again and again["FCALL"] >= 2
+    finally:
+        proc.stop()
+
+
+def test_a_flushed_library_is_loaded_again(tmp_path: Path, private_server: RedisProc) -> None:
+    st = engine(cfg_for(tmp_path, private_server))
+    try:
+        round_trip(st, "a")
+        redis.Redis.from_url(private_server.url).function_flush()
+        mon = Monitor(private_server.port)
+        round_trip(st, "b")  # the first call answers "Function not found": nothing ran, so it is sent again
+        assert mon.commands()["FUNCTION"] == 1
+        assert inspect.check(st) == []
+    finally:
+        st.close()
+
+
+def test_a_server_without_functions_runs_the_library_as_scripts(tmp_path: Path, server: str) -> None:
+    """FCALL and FUNCTION renamed away, as some proxies and managed services do: the same
+    library runs as one script per function, by EVALSHA; a flushed script cache reloads."""
+    proc = RedisProc(tmp_path / "redis", args=("--rename-command", "FCALL", "", "--rename-command", "FUNCTION", ""),
+                     server=server)
+    try:
+        cfg = cfg_for(tmp_path, proc)
+        mon = Monitor(proc.port)
+        st = engine(cfg, lease_s=5)
+        try:
+            round_trip(st, "a")
+            assert not st.index.uses_functions
+            for i in range(8):  # past capacity: eviction inline and by housekeeping
+                round_trip(st, f"more{i}")
+                housekeep(st)
+            redis.Redis.from_url(proc.url).script_flush()
+            round_trip(st, "after-flush")
+            st.space.set_capacity(1 * MiB)
+            housekeep(st)
+            assert inspect.check(st, fix=True) == []
+            assert st.clear([st.namespace({"m": 1}, 65536)]) > 0
+        finally:
+            st.close()
+        seen = mon.commands()
+        assert seen["EVALSHA"] > 10 and seen["SCRIPT"] >= 2 and "FCALL" not in seen
+    finally:
+        proc.stop()
