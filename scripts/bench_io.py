@@ -286,7 +286,9 @@ def tierstore_rounds(path: str, redis_url: str, pool: Any, threads: int, v2: boo
                 if not checksum:
                     patches.enter_context(mock.patch.object(ts_store, "checksum", lambda regions: 0))
                 if not coalesce:
-                    patches.enter_context(mock.patch.object(ts_store, "MAX_RUN_BYTES", main.namespace().page_bytes))
+                    # one page per I/O: runs and pieces of at most a page (larger pages stay cut at MAX_RUN_BYTES)
+                    one_page = min(ts_store.MAX_RUN_BYTES, be.namespace().page_bytes)
+                    patches.enter_context(mock.patch.object(ts_store, "MAX_RUN_BYTES", one_page))
                 redis_s.s = 0.0
                 w = timed(lambda: out.append(set_()))
                 write_redis_ms.append(1e3 * redis_s.s)

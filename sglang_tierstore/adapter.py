@@ -273,6 +273,8 @@ class TierStoreBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
 
     @_guarded(lambda keys, *a, **k: 0)
     def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
+        """How many leading keys have a page in the KV pool's namespace: one HMGET round trip.
+        A page counted may still miss at the read (evicted meanwhile, rotten, forged)."""
         (found,) = self.store.exists([(self._pool(KV).ns, keys)])
         hits = _leading(found)
         self.store.metrics.pages("probe", "hit", hits)
@@ -281,6 +283,8 @@ class TierStoreBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
 
     @_guarded(_no_pages)
     def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+        """Read the leading run of present keys straight into the KV host pool at
+        ``host_indices`` (``TierStore.read``); True per page whose bytes verified. Never raises."""
         t0 = time.perf_counter()
         pool = self._pool(KV)
         ok = self._read_into_pool(pool, keys, host_indices)
@@ -289,6 +293,8 @@ class TierStoreBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
 
     @_guarded(_no_pages)
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+        """Store the KV host pool's pages at ``host_indices`` (``TierStore.write``): True per
+        page stored, now or before. One round trip once this thread holds a stock. Never raises."""
         t0 = time.perf_counter()
         pool = self._pool(KV)
         ok = self._write_from_pool(pool, keys, host_indices)
@@ -304,6 +310,9 @@ class TierStoreBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
         pool_transfers: Optional[List[PoolTransfer]] = None,
         extra_info: Optional[HiCacheStorageExtraInfo] = None,
     ) -> PoolTransferResult:
+        """The probe of a hybrid model's pools: the KV pool's leading hits, then each side
+        pool's verdict by its hit policy (ALL_PAGES, TRAILING_PAGES, BLOCK_GROUPS), in one
+        round trip for every pool. Never raises: trouble is an empty result."""
         transfers = list(pool_transfers or [])
         groups = [(self._pool(KV).ns, keys)]
         for t in transfers:
@@ -349,10 +358,12 @@ class TierStoreBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
 
     @_guarded(_no_pool_results)
     def batch_get_v2(self, transfers: List[PoolTransfer], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict[str, List[bool]]:
+        """``batch_get_v1`` for each pool's transfer: {pool name: True per page read}."""
         return self._each_transfer(transfers, self._read_into_pool)
 
     @_guarded(_no_pool_results)
     def batch_set_v2(self, transfers: List[PoolTransfer], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict[str, List[bool]]:
+        """``batch_set_v1`` for each pool's transfer: {pool name: True per page stored}."""
         return self._each_transfer(transfers, self._write_from_pool)
 
     def _each_transfer(self, transfers: List[PoolTransfer], op: Callable[[_Pool, List[str], torch.Tensor], List[bool]]) -> dict[str, List[bool]]:
@@ -373,6 +384,7 @@ class TierStoreBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
 
     @_guarded(lambda keys, *a, **k: [None] * len(keys))
     def batch_get(self, keys: List[str], target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None) -> List[Optional[torch.Tensor]]:
+        """Legacy read into flat page tensors (given, or fresh ones): the tensor per hit, None per miss."""
         pool = self._pool(KV)
         pages = list(target_locations) if target_locations is not None else [pool.host_pool.get_dummy_flat_data_page() for _ in keys]
         ok = self.store.read(pool.ns, keys, [[tensor_bytes(p)] for p in pages], False)
@@ -380,6 +392,7 @@ class TierStoreBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
 
     @_guarded(lambda keys, *a, **k: False)
     def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None) -> bool:
+        """Legacy write of flat page tensors, one per key: True if every page is stored."""
         if values is None or len(values) != len(keys):
             raise ValueError(f"batch_set needs one page tensor per key: {len(keys)} keys")
         pages = [v.contiguous() for v in values]

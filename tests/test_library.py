@@ -9,7 +9,6 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import pytest
 import redis
 from conftest import RedisProc, keys
 from engine_kit import MiB, engine, housekeep, pages, read, views
