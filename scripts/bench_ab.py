@@ -103,7 +103,7 @@ def main() -> int:
                 for name in pair:
                     seed += 1
                     path = trees[name][0]
-                    out = os.path.join(a.out, f"{name}_{len(runs[name]) + 1}.json")
+                    out = os.path.abspath(os.path.join(a.out, f"{name}_{len(runs[name]) + 1}.json"))
                     print(f"run {seed}: {name} ({trees[name][1][:12]}), seed {seed}", file=sys.stderr, flush=True)
                     runs[name].append(run(path, args, seed, out))
         finally:
