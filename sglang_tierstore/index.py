@@ -157,17 +157,18 @@ class RedisIndex:
         self._clock = clock
         self._down_until = 0.0
         self._down_lock = threading.Lock()
-        # One immediate retry on a fresh connection covers a Redis restart
-        # (stale pooled sockets); the breaker bounds everything else.
-        self._r = redis.Redis.from_url(
-            url,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 1),
-            retry_on_timeout=False,
-            **({"password": password} if password is not None else {}),
-            **_tls_kwargs(url, tls),
-        )
+
+        def client(retries: int) -> redis.Redis:
+            return redis.Redis.from_url(
+                url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), retries),
+                **({"password": password} if password is not None else {}), **_tls_kwargs(url, tls))
+
+        # Plain commands (each idempotent) get one immediate retry on a fresh connection,
+        # which covers a Redis restart (stale pooled sockets); the library's calls get
+        # none: one whose reply was lost to a timeout or a dropped connection may have run.
+        # The breaker bounds everything else.
+        self._r = client(1)
+        self._f = client(0)
         self._library: Optional[Library] = None
         self._shas: dict[str, str] = {}
         self._mode = "functions"  # until the server answers FCALL with "unknown command"
@@ -189,6 +190,7 @@ class RedisIndex:
             return fn()
         except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
             self._trip()
+            self._disconnect()  # idle pooled sockets are likely stale too (a restarted server)
             raise IndexUnavailable(f"redis unavailable: {e}") from e
         except redis.ResponseError as e:
             msg = str(e)
@@ -203,7 +205,7 @@ class RedisIndex:
             raise TierStoreError(f"redis error: {msg}") from e
         finally:
             if self._closed:  # closed while this call ran: the connection it used (or opened) goes too
-                self._r.connection_pool.disconnect(inuse_connections=False)
+                self._disconnect()
 
     def _trip(self) -> None:
         with self._down_lock:
@@ -224,46 +226,52 @@ class RedisIndex:
         """Run several functions in one pipelined round trip; results in call order.
 
         As FCALL where the server has functions, else as EVALSHA (see
-        :mod:`sglang_tierstore.space.library`); a library or script the server does not
-        hold yet (first use, FUNCTION FLUSH, SCRIPT FLUSH, a restart without persistence)
-        is loaded and the calls sent again: those replies prove nothing ran."""
+        :mod:`sglang_tierstore.space.library`). A call whose reply says its library or
+        script is not loaded (first use, FUNCTION FLUSH, SCRIPT FLUSH, a restart without
+        persistence) did not run: the library is loaded and that call, and only that one,
+        sent again. Nothing else is ever sent twice."""
         if self._library is None:
             raise TierStoreError("no Lua library loaded into this index connection")
         library = self._library
 
-        def send(mode: str) -> list[Any]:
-            if len(calls) == 1:  # no pipeline for one call: less Python on the hot path
-                f, keys, args = calls[0]
+        def send(mode: str, todo: Sequence[int]) -> list[Any]:
+            """Replies to the calls at positions ``todo``, in one round trip."""
+            def one(c: redis.Redis | Any, k: int) -> Any:
+                f, keys, args = calls[k]
+                if mode == "functions":
+                    return c.fcall(library.function(f), len(keys), *keys, *args)
+                return c.evalsha(self._shas[f], len(keys), *keys, *args)
+
+            if len(todo) == 1:  # no pipeline for one call: less Python on the hot path
                 try:
-                    if mode == "functions":
-                        return [self._r.fcall(library.function(f), len(keys), *keys, *args)]
-                    return [self._r.evalsha(self._shas[f], len(keys), *keys, *args)]
+                    return [one(self._f, todo[0])]
                 except redis.ResponseError as e:
                     return [e]
-            pipe = self._r.pipeline(transaction=False)
-            for f, keys, args in calls:
-                if mode == "functions":
-                    pipe.fcall(library.function(f), len(keys), *keys, *args)
-                else:
-                    pipe.evalsha(self._shas[f], len(keys), *keys, *args)
+            pipe = self._f.pipeline(transaction=False)
+            for k in todo:
+                one(pipe, k)
             return list(pipe.execute(raise_on_error=False))
 
         def run() -> list[Any]:
+            out: list[Any] = [None] * len(calls)
+            todo = list(range(len(calls)))
             loaded = False
-            while True:  # at most three sends: a switch to scripts (once ever), a load (once)
+            while True:  # sent again: only calls whose reply proves they did not run (at most twice more)
                 mode = self._mode
-                out = send(mode)
-                if mode == "functions" and any(_unknown_command(o) for o in out):
+                for k, o in zip(todo, send(mode, todo)):
+                    out[k] = o
+                if mode == "functions" and any(_unknown_command(out[k]) for k in todo):
                     self._mode = "scripts"  # a server without functions: the same code as scripts
+                    todo = [k for k in todo if _unknown_command(out[k])]
                     continue
-                missing = {calls[i][0] for i, o in enumerate(out) if _not_loaded(o)}
+                missing = [k for k in todo if _not_loaded(out[k])]
                 if missing and not loaded:
                     if mode == "functions":
                         _load_functions(self._r, library.code)
                     else:
-                        for f in missing:
+                        for f in {calls[k][0] for k in missing}:
                             self._r.script_load(library.scripts[f])
-                    loaded = True
+                    loaded, todo = True, missing
                     continue
                 for o in out:
                     if isinstance(o, Exception):
@@ -368,4 +376,9 @@ class RedisIndex:
         now is left to finish (no socket is shut under it, so nothing is sent twice by
         a retry): its connection is dropped when it returns."""
         self._closed = True
-        self._r.connection_pool.disconnect(inuse_connections=False)
+        self._disconnect()
+
+    def _disconnect(self) -> None:
+        """Drop the idle pooled connections (one in use is dropped when its call returns)."""
+        for c in (self._r, self._f):
+            c.connection_pool.disconnect(inuse_connections=False)

@@ -385,7 +385,7 @@ def _entries(store: TierStore, a: Attachment, shard: int, chunk: int, ns_pages: 
                 out.append(f"entry {f.hex()}: {why}")
                 bad.append((f, value))
         if fix and bad:
-            a.drop(bad)
+            a.drop(bad, shard)  # where it was found, even if it does not belong there
     return out
 
 

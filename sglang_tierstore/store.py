@@ -14,7 +14,7 @@ import logging
 import secrets
 import time as mod_time
 from dataclasses import dataclass
-from typing import Callable, Generator, Mapping, NamedTuple, Optional, Sequence, Type
+from typing import Callable, Generator, Mapping, Optional, Sequence, Type
 
 import xxhash
 
@@ -23,7 +23,7 @@ from sglang_tierstore.errors import IndexUnavailable, StoreDetached, TierStoreEr
 from sglang_tierstore.index import RedisIndex
 from sglang_tierstore.io_engine import Gate, IOEngine
 from sglang_tierstore.metrics import Metrics, RateLimitedLog
-from sglang_tierstore.pagefile import FileRef, PageFiles, checksum
+from sglang_tierstore.pagefile import PageFiles, checksum
 from sglang_tierstore.perms import modes, redis_password, redis_tls
 from sglang_tierstore.schema import (
     ENTRY,
@@ -38,7 +38,7 @@ from sglang_tierstore.schema import (
     round_up,
     unpack_entry,
 )
-from sglang_tierstore.space import Attachment, Space, by_shard
+from sglang_tierstore.space import Attachment, Place, Space, by_shard
 from sglang_tierstore.space.geometry import slots_per_region
 
 logger = logging.getLogger(__name__)
@@ -59,15 +59,7 @@ class Namespace:
     description: str
 
 
-class Page(NamedTuple):
-    """One page of a batch on its way to or from disk."""
-
-    pos: int  # position in the batch
-    file: FileRef
-    offset: int  # byte offset in the file
-
-
-Run = list[Page]  # pages in adjacent slots of one file: one preadv/pwritev
+Run = list[Place]  # pages in adjacent slots of one file: one preadv/pwritev
 
 
 def fingerprint(fields: Mapping[str, object]) -> tuple[bytes, str]:
@@ -231,7 +223,7 @@ class TierStore:
 
     # -- runs ---------------------------------------------------------------------
 
-    def _runs(self, pages: list[Page], page_bytes: int, iov_per_page: int) -> list[Run]:
+    def _runs(self, pages: list[Place], page_bytes: int, iov_per_page: int) -> list[Run]:
         """Pages in adjacent slots of one file, as runs for one preadv/pwritev each,
         cut so that a batch spreads over the I/O threads."""
         pages.sort(key=lambda p: (p.file.number, p.offset))
@@ -289,7 +281,7 @@ class TierStore:
                 continue
             entries[i] = e
         refs = a.files.refs({g.file_of(e.region) for e in entries.values()})
-        pages = [Page(i, refs[g.file_of(e.region)], g.slot_offset(e.region, e.slot, ns.page_bytes))
+        pages = [Place(i, refs[g.file_of(e.region)], g.slot_offset(e.region, e.slot, ns.page_bytes))
                  for i, e in entries.items() if g.file_of(e.region) in refs]
         runs = self._runs(pages, ns.page_bytes, len(dests[0]) if dests else 1)
         read_runs = self._read_staged if self.cfg.read_timeout_s else self._read_direct
@@ -394,9 +386,11 @@ class TierStore:
         published before its pwritev returned, and a write has no deadline: on a disk
         that stops answering it waits (a pwritev cannot be called back, and giving its
         slots back while it may still land would let it overwrite a later page). A
-        writer stalled past ``lease_s`` loses its lease: its slots stay dead and its
-        commit stores nothing. Index trouble raises :class:`IndexUnavailable` (the
-        pages are not stored)."""
+        writer stalled past ``lease_s`` while no housekeeping renews its lease (its
+        process's is stuck on the same disk, or the process is frozen) loses it: its
+        slots stay dead and its commit stores nothing. Index trouble raises
+        :class:`IndexUnavailable`: the pages may not be stored (or, when the commit's
+        reply was lost, may be)."""
         self._check_sizes(ns, keys, srcs)
         if not keys:
             return []
@@ -415,7 +409,7 @@ class TierStore:
         pb = ns.page_bytes
         fields = entry_fields(ns.ns_id, keys)
         with a.reserve(pb, fields) as res:
-            runs = self._runs([Page(i, p.file, p.offset) for i, p in res.places.items()], pb, len(srcs[0]))
+            runs = self._runs(list(res.places), pb, len(srcs[0]))
             units = [(run, off, piece) for run in runs
                      for off, piece in _pieces([m for p in run for m in srcs[p.pos]], MAX_RUN_BYTES)]
 
@@ -424,16 +418,18 @@ class TierStore:
                 a.pages.write(run[0].file, run[0].offset + off, piece, sum(map(len, piece)), aligned)
 
             with self.io.submit(write_unit, units, len(res.places) * pb // max(1, len(units)), write=True) as batch:
-                tails = {i: a.tags.tail(fields[i], p.slot.region, p.slot.gen, p.slot.slot, checksum(srcs[i]))
-                         for i, p in res.places.items()}
-                outcomes = batch.results()  # while the pages are being written
+                tails = {}
+                for p in res.places:  # while the pages are being written
+                    sl = res.slots[p.pos]
+                    tails[p.pos] = a.tags.tail(fields[p.pos], sl.region, sl.gen, sl.slot, checksum(srcs[p.pos]))
+                outcomes = batch.results()
             failed: set[int] = set()
             for (run, _, _), o in zip(units, outcomes):
                 if isinstance(o, BaseException):
                     if run[0].pos not in failed:  # once per run, however many of its pieces failed
                         a.files.failure("io_write", run[0].file.number, o)
                     failed.update(p.pos for p in run)
-            status = res.commit((i for i in res.places if i not in failed), tails, self.cfg.fsync == "commit")
+            status = res.commit((p.pos for p in res.places if p.pos not in failed), tails, self.cfg.fsync == "commit")
         stored = sum(1 for s in status.values() if s == STORED)
         self.metrics.pages("write", "stored", stored)
         self.metrics.pages("write", "exists", sum(1 for s in status.values() if s == EXISTS))
@@ -486,9 +482,10 @@ class TierStore:
 
         Whatever a call still running uses is released when it is done with it: a page
         file's descriptors after its last I/O, a mid-batch writer's lease when it expires.
-        Threads are waited for at most ``timeout`` s (None: as long as they take); one
-        stuck on a disk that stopped answering exits once its call returns. True if
-        everything was released now."""
+        Housekeeping and the I/O threads are waited for at most ``timeout`` s in all
+        (None: housekeeping 5 s, the I/O threads as long as they take); a thread stuck on
+        a disk that stopped answering exits once its call returns. True if everything
+        was released now."""
         deadline = None if timeout is None else mod_time.monotonic() + timeout
 
         def left() -> Optional[float]:

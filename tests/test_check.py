@@ -32,6 +32,7 @@ from sglang_tierstore.schema import (
     meta_key,
     ns_value,
     parse_ranges,
+    shard_of,
     unpack_entry,
     unpack_region,
 )
@@ -207,3 +208,28 @@ def test_an_entry_value_is_what_check_reads() -> None:
     raw = ENTRY.pack(7, 8, 9, 10, b"t" * 16)
     assert struct.unpack_from("<I", raw, 8)[0] == 9 and unpack_entry(raw)[:3] == (7, 8, 9)
     assert parse_ranges(b"3:4:5,6:0:1") == [(3, 4, 5), (6, 0, 1)]
+
+
+def test_check_fix_drops_a_misplaced_entry_where_it_found_it(tmp_path: Path, redis_proc: RedisProc) -> None:
+    """An entry copied into another shard's hash (where its field does not belong): check
+    reports it there, and fix drops that copy, never the real entry in the field's own shard."""
+    cfg = {"path": str(tmp_path / "s"), "redis_url": redis_proc.url, "redis_prefix": "chk-" + uuid.uuid4().hex[:8],
+           "capacity_gb": 1 / 1024, "io_threads": 2, "index_shards": 2}
+    st = engine(cfg)
+    r = redis.Redis.from_url(redis_proc.url)
+    try:
+        ns = st.namespace({"m": 1}, PAGE)
+        src = pages(8, PAGE, 2)
+        assert st.write(ns, keys(8), views(src), False) == [True] * 8
+        a = st.space.attached()
+        field = entry_fields(ns.ns_id, keys(8))[0]
+        home = shard_of(field, 2)
+        value = r.hget(a.key(home, "entries"), field)
+        r.hset(a.key(1 - home, "entries"), field, value)  # the same entry, in the other shard's hash
+        assert any(f"entry {field.hex()}" in p for p in inspect.check(st, fix=True))
+        assert inspect.check(st) == []
+        assert r.hget(a.key(home, "entries"), field) == value and r.hget(a.key(1 - home, "entries"), field) is None
+        assert st.read(ns, keys(8)[:1], views([bytearray(PAGE)]), False) == [True]
+    finally:
+        r.close()
+        st.close()

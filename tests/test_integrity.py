@@ -142,8 +142,8 @@ def test_uncommitted_write_is_invisible_and_its_slots_reclaimed(cfg: dict[str, A
         a = dying.space.attached()
         with a.reserve(ns.page_bytes, entry_fields(ns.ns_id, ks)) as res:
             assert len(res.places) == 2
-            for i, place in res.places.items():
-                a.pages.write(place.file, place.offset, [memoryview(src[i])], ns.page_bytes, False)
+            for place in res.places:
+                a.pages.write(place.file, place.offset, [memoryview(src[place.pos])], ns.page_bytes, False)
         dying.index.close()  # "killed": no commit, its lease stays
         ns2 = st.namespace({"m": 1}, 65536)
         assert st.exists([(ns2, ks)]) == [[False, False]]

@@ -11,10 +11,12 @@ from typing import Any
 
 import pytest
 from conftest import RedisProc, keys, page_files_bytes
-from engine_kit import MiB, engine, housekeep, pages, read, sweep_all, views
+from engine_kit import Hook, MiB, engine, hooked, housekeep, pages, read, sweep_all, views
 
 from sglang_tierstore import IndexUnavailable, inspect
 from sglang_tierstore.inspect import unlink_members
+
+HANG_S = 30.0
 
 
 @pytest.fixture
@@ -220,5 +222,48 @@ def test_a_stalled_writer_never_clobbers_slots_its_expired_lease_held(cfg: dict[
         assert ok == [True] * 4 and got == src_a
         assert inspect.check(a) == []
     finally:
+        a.close()
+        b.close()
+
+
+def test_housekeeping_never_waits_for_a_writer_whose_lease_expired(cfg: dict[str, Any]) -> None:
+    """A writer is stuck inside a pwritev (holding its stock for the batch) past its lease,
+    which another process expires. This process's next housekeeping pass sees the lease
+    gone and finishes all the same, while the writer is still stuck: nothing it does waits
+    on a disk. The writer's batch then stores nothing, and every slot is accounted for."""
+    later = [0.0]
+    clock = lambda: time.time() + later[0]  # noqa: E731
+    inside, go_on = threading.Event(), threading.Event()
+    hooks: dict[str, Hook] = {}
+    a = engine(cfg, lease_s=10, clock=clock, page_files=hooked(hooks))
+    b = engine(cfg, lease_s=10, clock=clock)
+    try:
+        ns = a.namespace({"m": 1}, 4096)
+        assert a.write(ns, keys(4, "a"), views(pages(4, 4096, 1)), False) == [True] * 4
+
+        def stuck(real: Hook, *args: Any) -> None:
+            inside.set()
+            assert go_on.wait(HANG_S)
+            real(*args)
+
+        hooks["write"] = stuck
+        result: list[list[bool]] = []
+        writer = threading.Thread(target=lambda: result.append(a.write(ns, keys(4, "stuck"), views(pages(4, 4096, 2)), False)))
+        writer.start()
+        assert inside.wait(HANG_S)
+        later[0] += 11  # past a's lease, which b's housekeeping expires
+        housekeep(b)
+        hk = threading.Thread(target=housekeep, args=(a,))
+        hk.start()
+        hk.join(HANG_S)
+        assert not hk.is_alive(), "housekeeping waited for the stuck writer"
+        go_on.set()
+        writer.join(HANG_S)
+        assert result == [[False] * 4]  # its lease was gone: nothing stored
+        del hooks["write"]
+        assert a.write(ns, keys(4, "after"), views(pages(4, 4096, 3)), False) == [True] * 4
+        assert inspect.check(a) == []
+    finally:
+        go_on.set()
         a.close()
         b.close()

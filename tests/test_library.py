@@ -5,16 +5,20 @@ redis-server and valkey-server."""
 from __future__ import annotations
 
 import re
+import socket
+import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
 
+import pytest
 import redis
 from conftest import RedisProc, keys
 from engine_kit import MiB, engine, housekeep, pages, read, views
 from monitor import Monitor
 
-from sglang_tierstore import inspect
+from sglang_tierstore import IndexUnavailable, inspect
 from sglang_tierstore.space.library import LIBRARY, LUA_FILES
 
 
@@ -110,3 +114,80 @@ def test_a_server_without_functions_runs_the_library_as_scripts(tmp_path: Path, 
         assert seen["EVALSHA"] > 10 and seen["SCRIPT"] >= 2 and "FCALL" not in seen
     finally:
         proc.stop()
+
+
+class ReplyDropper:
+    """A TCP relay to a Redis server that, once armed, lets the next request naming
+    ``FCALL`` through and then closes the client's connection in place of relaying its
+    reply: the call ran, and the client sees a dropped connection."""
+
+    def __init__(self, port: int) -> None:
+        self.upstream = port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.armed = threading.Event()
+        self.dropped = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.upstream))
+            drop_reply = threading.Event()
+            threading.Thread(target=self._requests, args=(client, server, drop_reply), daemon=True).start()
+            threading.Thread(target=self._replies, args=(server, client, drop_reply), daemon=True).start()
+
+    def _requests(self, client: socket.socket, server: socket.socket, drop_reply: threading.Event) -> None:
+        while chunk := _recv(client):
+            if self.armed.is_set() and b"FCALL" in chunk.upper():
+                self.armed.clear()
+                drop_reply.set()
+            server.sendall(chunk)
+        server.close()
+
+    def _replies(self, server: socket.socket, client: socket.socket, drop_reply: threading.Event) -> None:
+        while chunk := _recv(server):
+            if drop_reply.is_set():  # the call has run: its reply is lost with the connection
+                client.shutdown(socket.SHUT_RDWR)
+                client.close()
+                self.dropped.set()
+                return
+            client.sendall(chunk)
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def _recv(s: socket.socket) -> bytes:
+    try:
+        return s.recv(1 << 16)
+    except OSError:
+        return b""
+
+
+def test_a_function_call_whose_reply_is_lost_is_not_sent_again(tmp_path: Path, private_server: RedisProc) -> None:
+    """The connection drops after a commit ran and before its reply came back: the call
+    may have run (here it did), so it is not sent again on a fresh connection. The write
+    raises IndexUnavailable; the commit ran once, and every slot is accounted for."""
+    relay = ReplyDropper(private_server.port)
+    later = [0.0]
+    st = engine({**cfg_for(tmp_path, private_server), "redis_url": f"redis://127.0.0.1:{relay.port}/0"},
+                redis_timeout_s=0.5, redis_retry_s=0.2, lease_s=10, clock=lambda: time.time() + later[0])
+    try:
+        round_trip(st, "a")  # a stock: the next write is one commit call
+        ns = st.namespace({"m": 1}, 65536)
+        mon = Monitor(private_server.port)
+        relay.armed.set()
+        with pytest.raises(IndexUnavailable):
+            st.write(ns, keys(4, "lost"), views(pages(4, 65536, 9)), False)
+        assert relay.dropped.is_set()
+        assert mon.commands()["FCALL"] == 1
+        later[0] += 1  # past the breaker
+        assert inspect.check(st) == []
+        round_trip(st, "after")
+    finally:
+        st.close()
+        relay.close()

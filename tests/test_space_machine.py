@@ -127,7 +127,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         ns = self.ns(proc, n)
         a = proc.space.attached()
         with a.reserve(ns.page_bytes, entry_fields(ns.ns_id, [KEYS[k] for k in ks])) as res:
-            for place in res.places.values():
+            for place in res.places:
                 if write:
                     a.pages.write(place.file, place.offset, [memoryview(b"\xee" * ns.page_bytes)], ns.page_bytes, False)
         self.dead.append(proc)  # no commit, no close(): its lease stays until it expires

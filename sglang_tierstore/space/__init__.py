@@ -49,22 +49,25 @@ from sglang_tierstore.space.attach import Home
 from sglang_tierstore.space.files import Files
 from sglang_tierstore.space.geometry import Geometry
 from sglang_tierstore.space.housekeeping import Housekeeper
-from sglang_tierstore.space.leases import Commit, Leases, Reply, Slot
+from sglang_tierstore.space.leases import Commits, Leases, Reply, Slot
 from sglang_tierstore.tags import EntryTags
 
 LEASE_ROUNDS = 4  # lease calls a reserve may make while it adds page files
 
 
 class Place(NamedTuple):
-    """Where one page of a reservation goes: its slot, file and byte offset there."""
+    """Where one page of a batch lies: its position in the batch, its file, the byte
+    offset there."""
 
-    slot: Slot
+    pos: int
     file: FileRef
     offset: int
 
 
 def by_shard(fields: Sequence[bytes], shards: int) -> dict[int, list[int]]:
     """Positions of ``fields`` by the shard each belongs to."""
+    if shards == 1:
+        return {0: list(range(len(fields)))} if fields else {}
     parts: dict[int, list[int]] = {}
     for i, f in enumerate(fields):
         parts.setdefault(shard_of(f, shards), []).append(i)
@@ -75,14 +78,16 @@ class Reservation:
     """Slots for one write batch, held by this thread from :meth:`Attachment.reserve` to
     :meth:`commit` (use it as a context manager: housekeeping then knows the writer is
     busy). Pages it has no place for (every region pinned, pages larger than a region)
-    are not stored; what it places and does not commit goes back to the stock."""
+    are not stored. Slots it placed and that no commit published or gave up stay in the
+    writer's lease: the next call answers them back into the stock."""
 
     def __init__(self, a: "Attachment", page_bytes: int, fields: Sequence[bytes]) -> None:
         self._a = a
         self.page_bytes = page_bytes
         self.fields = fields
         self.parts = by_shard(fields, a.geometry.shards)
-        self.places: dict[int, Place] = {}  # batch position -> place
+        self.places: list[Place] = []  # the pages placed, in batch order
+        self.slots: dict[int, Slot] = {}  # batch position -> slot, placed or not
         self._lock = a.leases.writing()
 
     def __enter__(self) -> "Reservation":
@@ -104,10 +109,15 @@ class Reservation:
         for s, idx in self.parts.items():
             slots.update(zip(idx, a.leases.take(s, pb, len(idx))))
         g = a.geometry
-        refs = a.files.refs({g.file_of(sl.region) for sl in slots.values()})
-        self.places = {i: Place(sl, refs[g.file_of(sl.region)], g.slot_offset(sl.region, sl.slot, pb))
-                       for i, sl in slots.items() if g.file_of(sl.region) in refs}  # the rest: given up at commit
-        self._slots = slots
+        regions = {sl.region for sl in slots.values()}
+        refs = a.files.refs({g.file_of(r) for r in regions})
+        step = g.slot_bytes(pb)
+        starts = {r: (refs[g.file_of(r)], g.slot_offset(r, 0, pb)) for r in regions if g.file_of(r) in refs}
+        for i, sl in slots.items():
+            where = starts.get(sl.region)
+            if where is not None:  # the rest (a file not ready any more): given up at commit
+                self.places.append(Place(i, where[0], where[1] + sl.slot * step))
+        self.slots = slots
         full = len(self.fields) - len(slots)
         if full:
             a.metrics.pages("write", "full", full)
@@ -121,20 +131,22 @@ class Reservation:
         fdatasync'ed first. One ``commit`` call per shard, in one round trip. Returns
         each committed position's status (STORED, EXISTS, NOT_STORED)."""
         a = self._a
-        ok = set(written) & set(self.places)
-        for ref in {self.places[i].file for i in ok}:
+        files = {p.pos: p.file for p in self.places}
+        ok = set(written) & files.keys()
+        for ref in {files[i] for i in ok}:
             try:
                 a.pages.still_there(ref.number)
                 if sync:
                     a.pages.sync(ref)
             except PageIOError as e:
                 a.files.failure("io_write", ref.number, e)
-                ok -= {i for i in ok if self.places[i].file == ref}
+                ok -= {i for i in ok if files[i] == ref}
+        slots = self.slots
         calls = []
         for s, idx in self.parts.items():
-            done = sorted((i for i in idx if i in ok), key=self._slots.__getitem__)  # runs of slots
-            commits = [Commit(self._slots[i], self.fields[i], tails[i]) for i in done]
-            give_up = sorted((self._slots[i].region, self._slots[i].slot) for i in idx if i in self._slots and i not in ok)
+            done = sorted((i for i in idx if i in ok), key=slots.__getitem__)  # runs of slots
+            commits = Commits([slots[i] for i in done], [self.fields[i] for i in done], [tails[i] for i in done])
+            give_up = sorted(slots[i] for i in idx if i in slots and i not in ok)
             calls.append((s, done, commits, give_up, a.leases.stock_target(s, self.page_bytes, len(idx), a.capacity)))
         try:
             replies = a.leases.commit(self.page_bytes, [(s, c, gu, want) for s, _, c, gu, want in calls])
@@ -228,10 +240,14 @@ class Attachment:
         for shard, regions in pending.items():
             self.index.zadd_newer(self.key(shard, "lru"), regions)
 
-    def drop(self, entries: Sequence[tuple[bytes, bytes]]) -> int:
+    def drop(self, entries: Sequence[tuple[bytes, bytes]], shard: Optional[int] = None) -> int:
         """Drop (entry field, value seen or b'': any) pairs whose entry still holds that
-        value; their slots are dead. One ``drop`` call per shard; returns how many."""
-        parts = by_shard([f for f, _ in entries], self.geometry.shards)
+        value; their slots are dead. One ``drop`` call per shard (each field's own, or the
+        one ``shard`` named: where check() found the entry); returns how many."""
+        if shard is not None:
+            parts = {shard: list(range(len(entries)))} if entries else {}
+        else:
+            parts = by_shard([f for f, _ in entries], self.geometry.shards)
         calls = [("drop", self.shard_keys(s), [self.geometry.store_id, *(x for i in idx for x in entries[i])])
                  for s, idx in parts.items()]
         return sum(int(n) for n in self.index.calls(calls)) if calls else 0

@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 from typing import Callable, Iterable, Optional
 
-from sglang_tierstore.errors import FileGone, IndexUnavailable, PageIOError
+from sglang_tierstore.errors import FileGone, IndexUnavailable, PageIOError, TierStoreError
 from sglang_tierstore.index import RedisIndex
 from sglang_tierstore.metrics import Metrics, RateLimitedLog
 from sglang_tierstore.pagefile import FileRef, PageFiles
@@ -92,20 +92,21 @@ class Files:
         self.metrics.housekeeping("files_added", 1)
 
     def allocate(self, regions: Iterable[int]) -> None:
-        """Give regions that were holes disk space before use (a failure only means space
-        is taken as pages land)."""
+        """Give regions that were holes disk space before use. Never raises: a failure
+        (the disk, or the index asked for the file's record) only means space is taken as
+        pages land; it is counted and logged."""
         g = self.home.geometry
         for r in regions:
-            ref = self.ref(g.file_of(r))
-            if ref is None:
-                continue
             try:
-                self.pages.allocate(ref, g.region_offset(r), g.region_bytes)
-            except PageIOError as e:
-                self.failure("allocate", ref.number, e)
+                ref = self.ref(g.file_of(r))
+                if ref is not None:
+                    self.pages.allocate(ref, g.region_offset(r), g.region_bytes)
+            except TierStoreError as e:
+                self.failure("allocate", g.file_of(r), e)
 
     def punch(self, regions: Iterable[int]) -> list[int]:
-        """Return holes' disk space; the regions punched (the rest stay queued)."""
+        """Return holes' disk space; the regions punched (the rest stay queued, tried
+        again by the next pass)."""
         g = self.home.geometry
         done = []
         for r in regions:

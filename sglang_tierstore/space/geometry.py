@@ -66,7 +66,12 @@ class Geometry:
         return HEADER_BYTES + (region % self.regions_per_file) * self.region_bytes
 
     def slot_offset(self, region: int, slot: int, page_bytes: int) -> int:
-        return self.region_offset(region) + slot * round_up(page_bytes)
+        return self.region_offset(region) + slot * self.slot_bytes(page_bytes)
+
+    @staticmethod
+    def slot_bytes(page_bytes: int) -> int:
+        """A slot's size: the page's, rounded up to the O_DIRECT alignment."""
+        return round_up(page_bytes)
 
     def shard_of_file(self, file_no: int) -> int:
         return file_no % self.shards

@@ -44,12 +44,13 @@ class Slot(NamedTuple):
     gen: int
 
 
-class Commit(NamedTuple):
-    """A page to publish: its slot, entry field and entry tail (checksum and tag)."""
+class Commits(NamedTuple):
+    """The pages of one shard to publish, in slot order: their slots, entry fields and
+    entry tails (checksum and tag), position by position."""
 
-    slot: Slot
-    field: bytes
-    tail: bytes
+    slots: Sequence[Slot]
+    fields: Sequence[bytes]
+    tails: Sequence[bytes]
 
 
 class Reply(NamedTuple):
@@ -189,14 +190,13 @@ class Leases:
                                      for s in shards])
             return dict(zip(shards, self._answered(mine, shards, sent, outs)))
 
-    def commit(self, page_bytes: int, calls: Sequence[tuple[int, Sequence[Commit], Sequence[tuple[int, int]], int]]
-               ) -> list[Reply]:
+    def commit(self, page_bytes: int, calls: Sequence[tuple[int, Commits, Sequence[Slot], int]]) -> list[Reply]:
         """One ``commit`` per (shard, commits, give-ups, slots wanted in stock afterwards),
         in one round trip.
 
         commits: pages written, in slot order (consecutive slots of a region travel, and
-        are committed, as one run); give-ups: (region, slot) written in vain. Statuses come
-        back in the order of the commits. Each reply's stock replaces this thread's for
+        are committed, as one run); give-ups: slots written in vain, in slot order.
+        Statuses come back in the order of the commits. Each reply's stock replaces this thread's for
         that shard (the slots taken by :meth:`take` are gone from both)."""
         mine = self._mine()
         with mine.lock:
@@ -205,18 +205,17 @@ class Leases:
                                      for s, c, gu, want in calls])
             return self._answered(mine, [s for s, _, _, _ in calls], sent, outs)
 
-    def _commit_args(self, lease: str, page_bytes: int, commits: Sequence[Commit], give_up: Sequence[tuple[int, int]],
+    def _commit_args(self, lease: str, page_bytes: int, commits: Commits, give_up: Sequence[Slot],
                      want: int) -> list[Any]:
-        runs = _runs([(c.slot.region, c.slot.slot) for c in commits])
+        runs = _runs(commits.slots)
         args: list[Any] = [*self._head(lease), page_bytes, want, len(runs)]
         for a, b in runs:
-            first = commits[a].slot
-            args += [first.region, first.gen, first.slot, b - a, b"".join(c.field for c in commits[a:b]),
-                     b"".join(c.tail for c in commits[a:b])]
+            first = commits.slots[a]
+            args += [first.region, first.gen, first.slot, b - a, b"".join(commits.fields[a:b]), b"".join(commits.tails[a:b])]
         gruns = _runs(give_up)
         args.append(len(gruns))
         for a, b in gruns:
-            args += [give_up[a][0], give_up[a][1], b - a]
+            args += [give_up[a].region, give_up[a].slot, b - a]
         return args
 
     def tidy(self, draining: bool) -> int:
@@ -278,24 +277,24 @@ class Leases:
 
     def renewed(self, shard: int, at: float, gone: set[str]) -> None:
         """A sweep renewed this process's leases in a shard at ``at``, except those in
-        ``gone`` (expired meanwhile: their slots may be someone else's by now)."""
+        ``gone`` (expired meanwhile: their slots may be someone else's by now). Never waits
+        for a writer: a stock whose lease is gone is no longer trusted (see :meth:`_stock`),
+        and its writer drops it before its next batch, or its commit's reply replaces it."""
         with self._lock:
             stocks = list(self._stocks.values())
         for st in stocks:
             if st.lease in gone:
-                with st.lock:
-                    st.ranges[shard] = []
-                    st.renewed.pop(shard, None)
+                st.renewed.pop(shard, None)
             else:
                 st.renewed[shard] = at
 
 
-def _runs(slots: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+def _runs(slots: Sequence[Slot]) -> list[tuple[int, int]]:
     """[start, end) index ranges of ``slots`` that are consecutive slots of one region."""
     out: list[tuple[int, int]] = []
     start = 0
     for k in range(1, len(slots) + 1):
-        if k == len(slots) or slots[k][0] != slots[k - 1][0] or slots[k][1] != slots[k - 1][1] + 1:
+        if k == len(slots) or slots[k].region != slots[k - 1].region or slots[k].slot != slots[k - 1].slot + 1:
             out.append((start, k))
             start = k
     return out
