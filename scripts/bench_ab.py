@@ -2,7 +2,9 @@
 """Two engines, one benchmark, alternated: does a change move the I/O benchmark's numbers?
 
     python3 scripts/bench_ab.py --old 31afb9e --new HEAD --runs 3 --out scripts/results/bench_ab \
-        -- --repeat 5 --probe-repeat 300 --sizes 256K,2M,8M
+        -- --repeat 5 --probe-repeat 300 --sizes 256K,2M,8M > scripts/results/bench_ab/summary.txt
+    python3 scripts/bench_ab.py --report scripts/results/bench_ab [more dirs]   (the table again, from
+        the JSON; several directories of the same two commits and arguments are pooled)
 
 Checks each ref out into its own worktree and runs that checkout's own
 ``scripts/bench_io.py`` (its engine, its script) with the arguments after ``--``, old and new
@@ -11,7 +13,8 @@ new seed. Every run measures tierstore beside the disk's O_DIRECT limit in the s
 so the figures compared are ratios within a run (tierstore / O_DIRECT, probe / MGET) and
 Python microseconds per 4 KiB page, which the machine's drift between runs moves far less
 than raw GB/s. Prints, per figure, each run's value, the median per engine, new / old of the
-medians, and the old runs' own spread (max / min): a difference inside that spread is not one.
+medians with a 95% bootstrap interval (runs resampled, seeded), and the old runs' own spread
+(max / min): a difference inside that spread, or an interval holding 1, is not one.
 
 A checkout's bench_io.py from before the layout change hangs in its coalescing-off run (it
 sets ``MAX_RUN_BYTES = 0``, and cutting a page into pieces of at most 0 bytes never ends):
@@ -24,6 +27,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
+import re
 import statistics
 import subprocess
 import sys
@@ -44,6 +49,8 @@ FIGURES: list[tuple[str, bool, Figure]] = [  # (name, per page size, value)
     ("write / O_DIRECT write", True, lambda r, s: med(r, s, "ts_v1", "write_gbps") / med(r, s, "disk", "write_gbps")),
     ("cold read / O_DIRECT read", True, lambda r, s: med(r, s, "ts_v1", "read_cold_gbps") / med(r, s, "disk", "read_cold_gbps")),
     ("warm read / O_DIRECT read", True, lambda r, s: med(r, s, "ts_v1", "read_warm_gbps") / med(r, s, "disk", "read_cold_gbps")),
+    ("v2 cold read / O_DIRECT read", True, lambda r, s: med(r, s, "ts_v2", "read_cold_gbps") / med(r, s, "disk", "read_cold_gbps")),
+    ("MLA cold read / O_DIRECT read", True, lambda r, s: med(r, s, "ts_mla", "read_cold_gbps") / med(r, s, "disk", "read_cold_gbps")),
     ("MLA write / O_DIRECT write", True, lambda r, s: med(r, s, "ts_mla", "write_gbps") / med(r, s, "disk", "write_gbps")),
     ("steady (evicting) write / O_DIRECT write", True,
      lambda r, s: med(r, s, "ts_steady", "write_gbps") / med(r, s, "disk", "write_gbps")),
@@ -82,12 +89,18 @@ def run(path: str, args: list[str], seed: int, out: str) -> dict[str, Any]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--old", required=True)
-    ap.add_argument("--new", required=True)
+    ap.add_argument("--report", metavar="DIR", nargs="+", help="print the table of the runs in DIR(s) and stop")
+    ap.add_argument("--old")
+    ap.add_argument("--new")
     ap.add_argument("--runs", type=int, default=3, help="runs per engine")
-    ap.add_argument("--out", required=True, help="directory for each run's JSON and text")
+    ap.add_argument("--out", help="directory for each run's JSON and text")
     ap.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then bench_io.py's arguments")
     a = ap.parse_args()
+    if a.report:
+        report(*a.report)
+        return 0
+    if not a.old or not a.new or not a.out:
+        ap.error("--old, --new and --out are required (or --report DIR)")
     args = [x for x in a.bench_args if x != "--"]
     repo = sh("git", "rev-parse", "--show-toplevel")
     os.makedirs(a.out, exist_ok=True)
@@ -109,29 +122,49 @@ def main() -> int:
         finally:
             for path, _, _ in trees.values():
                 subprocess.run(["git", "worktree", "remove", "--force", path], cwd=repo, capture_output=True)
-    report(a, args, trees, runs)
+    print(f"command: python3 scripts/bench_ab.py --old {a.old} --new {a.new} --runs {a.runs} --out {a.out} -- "
+          + " ".join(args))
+    report(a.out)
     return 0
 
 
-def report(a: argparse.Namespace, args: list[str], trees: dict[str, tuple[str, str, bool]],
-           runs: dict[str, list[dict[str, Any]]]) -> None:
-    print(f"command: python3 scripts/bench_ab.py --old {a.old} --new {a.new} --runs {a.runs} --out {a.out} -- "
-          + " ".join(args))
-    for name, (_, commit, patched) in trees.items():
-        note = " (its bench_io.py's coalescing-off line patched to one page per I/O: it hangs as committed)" if patched else ""
-        print(f"{name}: {commit}{note}")
-    print(f"order: {', '.join('old new' if k % 2 == 0 else 'new old' for k in range(a.runs))}; seeds 1..{2 * a.runs}")
+def report(*outs: str) -> None:
+    """The table of the runs whose JSON lies in ``outs`` (old_N.json, new_N.json), pooled."""
+    def of(name: str, out: str) -> list[dict[str, Any]]:
+        found = [f for f in os.listdir(out) if re.fullmatch(rf"{name}_\d+\.json", f)]
+        return [json.load(open(os.path.join(out, f))) for f in sorted(found, key=lambda f: int(f[len(name) + 1 : -5]))]
+
+    runs = {name: [r for out in outs for r in of(name, out)] for name in ("old", "new")}
+    print(f"runs from: {', '.join(outs)}")
+    for name, rs in runs.items():
+        commit = rs[0]["package"]["commit"]
+        shown = subprocess.run(["git", "show", f"{commit}:scripts/bench_io.py"], capture_output=True, text=True).stdout
+        note = " (its bench_io.py's coalescing-off line patched to one page per I/O: it hangs as committed)" if HANG in shown else ""
+        print(f"{name}: {commit}{note}; seeds {', '.join(str(r['seed']) for r in rs)}")
+    print(f"bench_io arguments: {runs['new'][0]['command']}")
     print(f"machine: {json.dumps(runs['new'][0].get('machine', {}))}")
     sizes = list(runs["new"][0]["sizes"])
-    print(f"\n{'figure':<44} {'size':>5}  {'old runs':<20} {'new runs':<20} {'old med':>8} {'new med':>8} {'new/old':>8} {'old spread':>10}")
+    width = 5 * max(len(runs["old"]), len(runs["new"]))
+    print(f"\n{'figure':<44} {'size':>5}  {'old runs':<{width}} {'new runs':<{width}} {'old med':>8} {'new med':>8} "
+          f"{'new/old':>8} {'95% interval':>13} {'old spread':>10}")
     for fig, per_size, fn in FIGURES:
         for size in sizes if per_size else [""]:
             old = [fn(r, size) for r in runs["old"]]
             new = [fn(r, size) for r in runs["new"]]
             mo, mn = statistics.median(old), statistics.median(new)
             spread = max(old) / min(old) if min(old) > 0 else float("nan")
-            print(f"{fig:<44} {size:>5}  {' '.join(f'{v:.2f}' for v in old):<20} {' '.join(f'{v:.2f}' for v in new):<20} "
-                  f"{mo:8.2f} {mn:8.2f} {mn / mo:8.2f} {spread:10.2f}")
+            lo, hi = interval(old, new)
+            print(f"{fig:<44} {size:>5}  {' '.join(f'{v:.2f}' for v in old):<{width}} "
+                  f"{' '.join(f'{v:.2f}' for v in new):<{width}} {mo:8.2f} {mn:8.2f} {mn / mo:8.2f} "
+                  f"{f'{lo:.2f}-{hi:.2f}':>13} {spread:10.2f}")
+
+
+def interval(old: list[float], new: list[float], rounds: int = 4000) -> tuple[float, float]:
+    """95% bootstrap interval of median(new) / median(old): runs resampled with replacement."""
+    rnd = random.Random(19)
+    ratios = sorted(statistics.median(rnd.choices(new, k=len(new))) / statistics.median(rnd.choices(old, k=len(old)))
+                    for _ in range(rounds))
+    return ratios[int(0.025 * rounds)], ratios[int(0.975 * rounds) - 1]
 
 
 if __name__ == "__main__":
