@@ -33,7 +33,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from sglang_tierstore.config import TierStoreConfig, redact_url
 from sglang_tierstore.embedded import embedded_running, ensure_embedded_redis, redis_dir, stop_embedded_redis
-from sglang_tierstore.errors import IndexUnavailable, StoreDetached, TierStoreError
+from sglang_tierstore.errors import StoreDetached, StoreUnavailable, TierStoreError
 from sglang_tierstore import inspect
 from sglang_tierstore.hostmem import PagePlan, tensor_bytes
 from sglang_tierstore.io_engine import Gate
@@ -70,9 +70,9 @@ def _guarded(fallback: Callable[..., Any]) -> Callable[[F], F]:
                 return fallback(*args, **kwargs)
             try:
                 return fn(self, *args, **kwargs)
-            except IndexUnavailable as e:
-                self.store.metrics.error("index_unavailable")
-                self.store.log.warning("index", "%s: %s; answering misses", fn.__name__, e)
+            except StoreUnavailable as e:  # the index down, full or read-only; the disk full: ridden out
+                self.store.metrics.error(e.kind)
+                self.store.log.warning(e.kind, "%s: %s; answering misses", fn.__name__, e)
             except StoreDetached as e:
                 self.store.space.detach(e)
             except (ValueError, LookupError) as e:  # bad input from the caller: the message says what
@@ -372,7 +372,7 @@ class TierStoreBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
             keys = list(t.keys or [])
             try:
                 out[str(t.name)] = op(self._pool(str(t.name)), keys, t.host_indices)
-            except (IndexUnavailable, StoreDetached):
+            except (StoreUnavailable, StoreDetached):
                 raise
             except Exception as e:  # one bad transfer does not sink the others
                 self.store.metrics.error("internal")

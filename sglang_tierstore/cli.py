@@ -7,7 +7,8 @@ Reads the JSON SGLang is given (``--hicache-storage-backend-extra-config``: inli
 none: directories that are missing or hold no store marker, or an index that does not hold
 the store they name, are reported (exit 4) and left alone, and the embedded Redis is joined
 only if it is running (``--start-redis`` starts it). Once found, the store is joined as it
-is (``TierStore(startup=False)``): the config's ``capacity_gb`` is not applied to it.
+is, writing nothing on disk (``TierStore(observe=True)``): the config's ``capacity_gb`` is
+not applied to it (``resize`` changes a store's capacity).
 
 Counters of pages read, hit and written live in each serving process (each TP rank): no
 index holds them. ``stats`` shows them only when given the server's ``/metrics``

@@ -16,8 +16,33 @@ class ConfigError(TierStoreError, ValueError):
     """A configuration key has a bad value, or is unknown."""
 
 
-class IndexUnavailable(TierStoreError, ConnectionError):
+class StoreUnavailable(TierStoreError, ConnectionError):
+    """The store cannot be used now (its index, or its directories): a condition a cache
+    rides out with misses and failed writes until it clears. ``kind`` names it in the
+    error counters (``tierstore_errors_total{kind}``)."""
+
+    kind = "store_unavailable"
+
+
+class IndexUnavailable(StoreUnavailable):
     """The Redis index cannot be reached (down, slow, or backing off)."""
+
+    kind = "index_unavailable"
+
+
+class IndexRefusesWrites(IndexUnavailable):
+    """The index answers reads but refuses writes: full (``maxmemory`` with noeviction:
+    kind ``index_full``), or read-only (a replica, a persistence error: ``index_read_only``)."""
+
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class StoreDirsUnavailable(StoreUnavailable):
+    """The store's directories cannot take what attaching writes (a full disk, EIO)."""
+
+    kind = "disk_unavailable"
 
 
 class PageIOError(TierStoreError, OSError):
@@ -36,6 +61,13 @@ class StoreDetached(TierStoreError, RuntimeError):
 class NoStore(TierStoreError, LookupError):
     """No store to look at: the directories carry no marker, or the index does not hold
     the store they name (an operator's tool found nothing and created nothing)."""
+
+
+class NoStoreYet(StoreUnavailable):
+    """No store yet: a serving process creates it once it knows the size of the pages it
+    will hold (its first namespace)."""
+
+    kind = "no_store_yet"
 
 
 class FileGone(PageIOError):

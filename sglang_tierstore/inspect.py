@@ -55,9 +55,9 @@ from sglang_tierstore.schema import (
     unpack_region,
 )
 from sglang_tierstore.perms import modes
-from sglang_tierstore.space import Attachment, attach
+from sglang_tierstore.space import Attachment
 from sglang_tierstore.space.geometry import Geometry, slots_per_region
-from sglang_tierstore.store import Namespace, TierStore, open_index
+from sglang_tierstore.store import Namespace, TierStore
 
 ZERO = b"\0" * FIELD_BYTES
 COUNTS = ("capacity_regions", "allocated_regions", "regions", "used_regions", "free_regions", "hole_regions",
@@ -190,8 +190,8 @@ def _check_paths(cfg: TierStoreConfig) -> None:
     if missing:
         raise TierStoreError(f"directory {', '.join(missing)} of config key 'path' does not exist (not mounted?)")
     for p in cfg.path:
-        if not os.path.isdir(p) or not os.access(p, os.R_OK | os.W_OK | os.X_OK):
-            raise TierStoreError(f"config key 'path': {p} is not a directory this user can read and write")
+        if not os.path.isdir(p) or not os.access(p, os.R_OK | os.X_OK):
+            raise TierStoreError(f"config key 'path': {p} is not a directory this user can read")
 
 
 def index_url(cfg: TierStoreConfig, start_redis: bool) -> tuple[str, bool]:
@@ -207,20 +207,16 @@ def index_url(cfg: TierStoreConfig, start_redis: bool) -> tuple[str, bool]:
 
 
 def open_store(cfg: TierStoreConfig, start_redis: bool) -> Opened:
-    """Join the store ``cfg`` names, as it is (``TierStore(startup=False)``: its config's
-    capacity is not applied); NoStore if there is none, TierStoreError if its directories
-    or index cannot be reached. Creates nothing, and starts no Redis unless ``start_redis``."""
+    """Join the store ``cfg`` names, as it is (``TierStore(observe=True)``: nothing is
+    written on disk, and its config's capacity is not applied), as any user that can read
+    it; NoStore if there is none, TierStoreError if its directories or index cannot be
+    reached. Starts no Redis unless ``start_redis``."""
     _check_paths(cfg)
     url, embedded = index_url(cfg, start_redis)
     try:
-        idx = open_index(cfg, url)
+        store = TierStore(cfg, url, observe=True)
         try:
-            store_id = attach.find_store(idx, cfg.redis_prefix, cfg.path)
-        finally:
-            idx.close()
-        store = TierStore(cfg, url, startup=False)
-        try:
-            store.space.attached()
+            store_id = store.space.attached().geometry.store_id
         except BaseException:
             store.close()
             raise

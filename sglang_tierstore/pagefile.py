@@ -37,7 +37,7 @@ from typing import Iterator, Mapping, NamedTuple, Sequence
 import xxhash
 
 from sglang_tierstore.errors import FileGone, PageIOError
-from sglang_tierstore.perms import PRIVATE, Modes, create_file, own_dir
+from sglang_tierstore.perms import PRIVATE, Modes, create_file
 from sglang_tierstore.schema import HEADER_BYTES
 
 MAGIC = "tierstore-pages"
@@ -85,18 +85,24 @@ class PageFiles:
     """Open page files of one store, positioned I/O of runs of slots."""
 
     def __init__(self, identity: Mapping[str, object], dirs: Mapping[str, str], o_direct: bool,
-                 modes: Modes = PRIVATE) -> None:
+                 modes: Modes = PRIVATE, read_only: bool = False) -> None:
         """``identity``: what every file's header says of the store (prefix, store id,
-        geometry); ``dirs``: directory id -> the store's directory there."""
+        geometry); ``dirs``: directory id -> the store's directory there (made by
+        attaching); ``read_only``: files are opened for reading only (an operator's tool,
+        which may read a store it may not write), and anything that would change one is a
+        PageIOError."""
         self.modes = modes
         self.identity = dict(identity)
         self.dirs = dict(dirs)
         self.o_direct = o_direct and hasattr(os, "O_DIRECT")
+        self.read_only = read_only
         self._open: dict[int, _Open] = {}
         self._lock = threading.Lock()
         self._closed = False
-        for d in self.dirs.values():
-            own_dir(d, modes)
+
+    def _writable(self, what: str) -> None:
+        if self.read_only:
+            raise PageIOError(errno.EROFS, f"{what}: these page files are open for reading only")
 
     # -- naming --------------------------------------------------------------------
 
@@ -113,6 +119,7 @@ class PageFiles:
     def create(self, ref: FileRef) -> None:
         """Write a new page file (header only; regions get space when allocated).
         Anything left at its path is not in the index, so it is replaced."""
+        self._writable(f"cannot create page file {ref.number}")
         final = self.path(ref.number, ref.dir_id)
         tmp = f"{final}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
@@ -132,6 +139,7 @@ class PageFiles:
 
     def remove(self, file_no: int, dir_id: str) -> None:
         """Remove a file the index does not (or no longer) account for."""
+        self._writable(f"cannot remove page file {file_no}")
         self.forget(file_no)
         path = self.path(file_no, dir_id)
         try:
@@ -171,8 +179,9 @@ class PageFiles:
             if ref.dir_id not in self.dirs:
                 raise PageIOError(errno.ENOENT, f"page file {ref.number} lives in directory {ref.dir_id}, which this process does not have")
             path = self.path(ref.number, ref.dir_id)
+            mode = os.O_RDONLY if self.read_only else os.O_RDWR
             try:
-                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+                fd = os.open(path, mode | os.O_CLOEXEC)
             except FileNotFoundError as e:
                 raise FileGone(errno.ENOENT, f"page file {path} was deleted") from e
             except IsADirectoryError as e:
@@ -184,7 +193,7 @@ class PageFiles:
                 dfd = -1
                 if self.o_direct:
                     try:
-                        dfd = os.open(path, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC)
+                        dfd = os.open(path, mode | os.O_DIRECT | os.O_CLOEXEC)
                     except OSError as e:
                         if e.errno != errno.EINVAL:
                             raise PageIOError(e.errno, f"cannot open {path}: {e.strerror}") from e
@@ -243,6 +252,7 @@ class PageFiles:
 
     def allocate(self, ref: FileRef, offset: int, nbytes: int) -> None:
         """Give a range of a file disk space (it was a hole)."""
+        self._writable(f"cannot allocate space in page file {ref.number}")
         with self._using(ref) as h:
             try:
                 os.posix_fallocate(h.fd, offset, nbytes)
@@ -251,6 +261,7 @@ class PageFiles:
 
     def punch(self, ref: FileRef, offset: int, nbytes: int) -> None:
         """Return a range's disk space (it became a hole)."""
+        self._writable(f"cannot punch page file {ref.number}")
         with self._using(ref) as h:
             if _libc.fallocate(h.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, nbytes) != 0:
                 e = ctypes.get_errno()
@@ -271,6 +282,7 @@ class PageFiles:
 
     def write(self, ref: FileRef, offset: int, bufs: Sequence[memoryview], nbytes: int, aligned: bool) -> None:
         """Write ``bufs`` (``nbytes``, adjacent slots) at ``offset`` with one pwritev."""
+        self._writable(f"cannot write page file {ref.number}")
         with self._using(ref) as h:
             fd = h.dfd if aligned and h.dfd >= 0 else h.fd
             try:

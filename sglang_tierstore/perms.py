@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import pwd
 import secrets
 import shutil
 import socket
@@ -268,6 +269,27 @@ def _key_file_text(key: str, path: str, owner_only: bool) -> str:
             f"readable by others (found uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o})"
         )
     return text
+
+
+def describe_owner(path: str) -> str:
+    """Who owns ``path`` (or its nearest existing parent) and its mode, against who this
+    process is: for errors about a directory this process may not write."""
+    p = os.path.abspath(path)
+    while not os.path.lexists(p) and os.path.dirname(p) != p:
+        p = os.path.dirname(p)
+    try:
+        st = os.lstat(p)
+    except OSError:
+        return f"this process runs as uid {os.getuid()}"
+    return (f"{p} is owned by uid {st.st_uid} ({_user(st.st_uid)}), gid {st.st_gid}, mode {stat.S_IMODE(st.st_mode):o}; "
+            f"this process runs as uid {os.getuid()} ({_user(os.getuid())})")
+
+
+def _user(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return "no name"
 
 
 def check_owned_dir(path: str, m: Modes = PRIVATE) -> None:

@@ -19,7 +19,14 @@ from typing import Callable, Generator, Mapping, Optional, Sequence, Type
 import xxhash
 
 from sglang_tierstore.config import TierStoreConfig
-from sglang_tierstore.errors import IndexUnavailable, StoreDetached, TierStoreError
+from sglang_tierstore.errors import (
+    ConfigError,
+    IndexUnavailable,
+    NoStoreYet,
+    StoreDetached,
+    StoreUnavailable,
+    TierStoreError,
+)
 from sglang_tierstore.index import RedisIndex
 from sglang_tierstore.io_engine import Gate, IOEngine
 from sglang_tierstore.metrics import Metrics, RateLimitedLog
@@ -127,8 +134,11 @@ class TierStore:
     """
 
     def __init__(self, cfg: TierStoreConfig, redis_url: str, clock: Callable[[], float] = mod_time.time,
-                 startup: bool = True, metrics: Optional[Metrics] = None, page_files: Type[PageFiles] = PageFiles) -> None:
-        """``startup``: this process owns the store's settings (a server; see :class:`Space`).
+                 observe: bool = False, metrics: Optional[Metrics] = None, page_files: Type[PageFiles] = PageFiles) -> None:
+        """``observe``: an operator's tool, joining the store as it is and writing nothing
+        on disk; else a serving process (see :class:`Space`). A serving process comes up
+        whatever the index or the disk does (full, down, no store yet): it answers misses
+        until it can attach, and tries again by itself.
         ``metrics``: the caller's (labelled by rank), else the store's own.
         ``page_files``: the class that moves bytes (tests inject one that fails or waits).
         Housekeeping runs once :meth:`start_housekeeping` is called; until then, passes
@@ -140,13 +150,17 @@ class TierStore:
         self.metrics = metrics if metrics is not None else Metrics()
         self.log = RateLimitedLog(logger, cfg.log_interval_s)
         self.space = Space(cfg, self.index, modes(cfg.file_access), secrets.token_hex(6), self.metrics, self.log, clock,
-                           startup, page_files)
+                           observe, page_files)
         self._namespaces: dict[str, Namespace] = {}
         self.space.on_attach(self._register_all)
         try:
-            self.space.attached()
-        except IndexUnavailable as e:
-            self.log.warning("attach", "index unavailable at start (%s): answering misses until it is back", e)
+            if not observe:  # an observer attaches on first use, and hears why it cannot
+                self.space.attached()
+        except NoStoreYet:
+            pass  # created with the first namespace
+        except StoreUnavailable as e:
+            self.metrics.error(e.kind)
+            self.log.warning("attach", "cannot attach the store at start (%s): answering misses until it can", e)
         except BaseException:  # a store that cannot start holds no threads or connections
             self.io.close()
             self.index.close()
@@ -157,6 +171,7 @@ class TierStore:
         (stopped by :meth:`close`); ``on_index_down`` is called when a pass finds the
         index unreachable."""
         self.space.housekeeping.start(on_index_down)
+
     def __enter__(self) -> "TierStore":
         return self
 
@@ -174,8 +189,20 @@ class TierStore:
         ns_id, desc = fingerprint({**fields, "page_bytes": page_bytes, "namespace": self.cfg.namespace})
         ns = Namespace(ns_id.hex(), ns_id, page_bytes, desc)
         self._namespaces[ns.ns] = ns
+        self.space.expect_pages(page_bytes)
         try:
-            self._register(self.space.attached(), [ns])
+            a = self.space.attached()
+        except StoreUnavailable:
+            return ns  # registered when the store is attached
+        rb = a.geometry.region_bytes
+        if slots_per_region(rb, page_bytes) < 1:
+            raise ConfigError(
+                f"tierstore: pages of {page_bytes} bytes do not fit store {a.geometry.store_id}'s {rb}-byte regions (a "
+                f"store's region size is fixed when it is created, for its first pages and its capacity_gb): give these "
+                f"pages a store of their own (another redis_prefix), or drop this one (`tierstore drop`) so that the next "
+                f"server creates it for them")
+        try:
+            self._register(a, [ns])
         except TierStoreError:
             pass  # registered again on the next attach
         return ns

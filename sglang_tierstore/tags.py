@@ -54,10 +54,8 @@ class EntryTags:
         return hmac.compare_digest(self.tag(field, value[:SIGNED_BYTES]), value[SIGNED_BYTES:])
 
 
-def load_key(store_dirs: Sequence[str], m: Modes) -> bytes:
-    """The store's key, from its directories; made if none has one, and written into each
-    directory that lacks it (two directories holding different keys is an error: the
-    files were tampered with or mixed up). Runs under attach's lock on every directory."""
+def _keys_in(store_dirs: Sequence[str], m: Modes | None) -> dict[str, bytes]:
+    """The key files found in the store's directories (``m``: set their mode too)."""
     found: dict[str, bytes] = {}
     for d in store_dirs:
         path = os.path.join(d, KEY_FILE)
@@ -70,14 +68,32 @@ def load_key(store_dirs: Sequence[str], m: Modes) -> bytes:
             raise ConfigError(f"tierstore config key 'path': cannot read the store's entry key {path} ({e.strerror})") from None
         if len(key) != KEY_BYTES:
             raise ConfigError(f"tierstore config key 'path': {path} is not an entry key ({len(key)} bytes, expected {KEY_BYTES})")
-        os.chmod(path, m.file)
+        if m is not None:
+            os.chmod(path, m.file)
         found[path] = key
     if len(set(found.values())) > 1:
         raise ConfigError(f"tierstore config key 'path': the store's directories hold different entry keys "
                           f"({', '.join(sorted(found))}); remove the wrong one(s) (their pages then read as misses)")
+    return found
+
+
+def load_key(store_dirs: Sequence[str], m: Modes) -> bytes:
+    """The store's key, from its directories; made if none has one, and written into each
+    directory that lacks it (two directories holding different keys is an error: the
+    files were tampered with or mixed up). Runs under attach's lock on every directory."""
+    found = _keys_in(store_dirs, m)
     key = next(iter(found.values())) if found else secrets.token_bytes(KEY_BYTES)
     for d in store_dirs:
         if os.path.join(d, KEY_FILE) not in found:
             write_file(os.path.join(d, KEY_FILE), key, m)
     return key
 
+
+def read_key(store_dirs: Sequence[str]) -> bytes:
+    """The store's key, read and changed nowhere (operators' tools); ConfigError if none
+    of the directories holds one."""
+    found = _keys_in(store_dirs, None)
+    if not found:
+        raise ConfigError(f"tierstore config key 'path': none of {', '.join(store_dirs) or 'the directories'} holds the "
+                          f"store's entry key ({KEY_FILE}), or this user cannot read it")
+    return next(iter(found.values()))

@@ -69,14 +69,17 @@ def test_two_prefixes_on_one_path_are_independent(cfg: dict[str, Any]) -> None:
 
 
 def test_geometry_is_the_stores_not_a_processs(cfg: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
-    """A second process with another capacity uses the store's regions, so each serves
-    what the other wrote; a setting that would split the geometry is refused."""
+    """A second process with another capacity uses the store's regions and capacity (and
+    says so), so each serves what the other wrote; a setting that would split the geometry
+    is refused."""
     a = engine(cfg, capacity_gb=64 * MiB / (1 << 30))
+    a.namespace({"m": 1}, PAGE)  # the store is created for its first pages
     with caplog.at_level(logging.INFO):
         b = engine(cfg, capacity_gb=40 * MiB / (1 << 30))
     try:
         assert a.space.attached().geometry == b.space.attached().geometry
-        assert "capacity 64 MiB -> 40 MiB" in caplog.text
+        assert "capacity 0.062 GiB; this process's capacity_gb 0.039 is not applied" in caplog.text
+        assert inspect.usage(b)["capacity_bytes"] == 64 * MiB
         src = write_all(a, "a", 24, 3)
         ok, got = read_all(b, "a", 24)
         assert ok == [True] * 24 and got == src
@@ -212,6 +215,8 @@ def test_two_nodes_on_one_redis_and_one_prefix(cfg: dict[str, Any], tmp_path: Pa
     the other's pages."""
     node_a, node_b = engine(cfg), engine(cfg, path=str(tmp_path / "node-b"))
     try:
+        for st in (node_a, node_b):
+            st.namespace({"m": 1}, PAGE)
         assert node_a.space.attached().tag != node_b.space.attached().tag
         src = write_all(node_a, "a", 40, 12)
         for i in range(6):
@@ -271,6 +276,7 @@ def test_a_store_of_another_format_is_dropped_at_start(cfg: dict[str, Any], capl
         st = engine(cfg)
     try:
         assert "written in format" in caplog.text
+        st.namespace({"m": 1}, PAGE)
         assert st.space.attached().tag != tag and r.exists(meta_key(tag, "meta")) == 0
         assert len(files_of(cfg["path"])) == 0
         ok, _ = read_all(st, "w", 16)
@@ -282,7 +288,8 @@ def test_a_store_of_another_format_is_dropped_at_start(cfg: dict[str, Any], capl
 
 def test_directories_of_different_stores_are_refused(cfg: dict[str, Any], tmp_path: Path) -> None:
     d2 = str(tmp_path / "d2")
-    engine(cfg).close()
-    engine(cfg, path=d2).close()  # its own store (another node's disk, say)
+    for path in (cfg["path"], d2):  # each its own store (another node's disk, say)
+        with engine(cfg, path=path) as st:
+            st.namespace({"m": 1}, PAGE)
     with pytest.raises(ConfigError, match="'path'.*different stores"):
         engine(cfg, path=[cfg["path"], d2])

@@ -17,6 +17,7 @@ IDENTITY = {"format": 3, "prefix": "p", "store": "0123456789abcdef", "region_byt
 
 @pytest.fixture
 def files(tmp_path: Path) -> PageFiles:
+    (tmp_path / "d0").mkdir()
     return PageFiles(IDENTITY, {"d0": str(tmp_path / "d0")}, o_direct=True)
 
 

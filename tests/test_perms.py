@@ -92,8 +92,9 @@ def test_a_bad_directory_stops_start_up_and_leaves_nothing_behind(tmp_path: Path
 
 def test_a_store_that_cannot_attach_leaves_no_thread_connection_or_new_directory(tmp_path: Path, private_redis: RedisProc) -> None:
     cfg = {"redis_url": private_redis.url, "redis_prefix": "attach-fails", "capacity_gb": 0.1}
-    for d in ("d1", "d2"):  # two stores of their own (two nodes' disks, say)
-        TierStoreBackend(storage_config({**cfg, "path": str(tmp_path / d)}), {}).close()
+    for d in ("d1", "d2"):  # two stores of their own (two nodes' disks, say), made for their first pages
+        with TierStoreBackend(storage_config({**cfg, "path": str(tmp_path / d)}), {}) as be:
+            be.register_mem_pool_host(mha_pool("page_first"))
     threads = {t.name for t in threading.enumerate()}
     new = tmp_path / "new" / "d3"
     with pytest.raises(ConfigError, match="different stores"):
@@ -111,8 +112,9 @@ def test_a_store_that_cannot_attach_leaves_no_thread_connection_or_new_directory
 def test_a_failed_start_stops_the_embedded_redis_it_started(tmp_path: Path) -> None:
     d1, d2, new = tmp_path / "d1", tmp_path / "d2", tmp_path / "new" / "d0"
     try:
-        for d in (d1, d2):  # two stores of their own, each with its embedded Redis
-            TierStoreBackend(storage_config({"path": str(d), "capacity_gb": 0.1}), {}).close()
+        for d in (d1, d2):  # two stores of their own, each with its embedded Redis, made for their first pages
+            with TierStoreBackend(storage_config({"path": str(d), "capacity_gb": 0.1}), {}) as be:
+                be.register_mem_pool_host(mha_pool("page_first"))
         with pytest.raises(ConfigError, match="different stores"):
             TierStoreBackend(storage_config({"path": [str(new), str(d1), str(d2)], "capacity_gb": 0.1}), {})
         assert not (tmp_path / "new").exists()

@@ -14,7 +14,7 @@ from conftest import page_files_bytes
 from pools import fill, keys, mha_pool, page_bytes, page_indices, storage_config
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 
-from sglang_tierstore import TierStoreBackend, inspect
+from sglang_tierstore import ConfigError, TierStoreBackend, inspect
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -198,43 +198,93 @@ def test_a_16_mib_store_works_with_default_settings(extra: dict[str, Any]) -> No
         assert be.check() == []
 
 
-def test_a_smaller_capacity_at_the_next_start(extra: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
-    """Restarting with a smaller capacity_gb evicts down to it; one far too small for the
-    store's regions re-cuts the store (it is a cache), saying so in one log line."""
+def test_a_process_started_with_another_capacity_keeps_the_stores(extra: dict[str, Any],
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """A serves a 64 MiB store; C starts on it with capacity_gb for 8 MiB (a typo on one
+    node, one rank): the store keeps its capacity, regions and every page, and C says both
+    values in one log line. Shrinking is an operator's act: a resize evicts down to it, the
+    store's id and regions unchanged, the disk space returned."""
     pool = mha_pool("page_first_direct", **A_POOL)
     fill(pool, 9)
-    with TierStoreBackend(storage_config({**extra, "capacity_gb": 16 * MiB / GiB}), {}) as be:
-        be.register_mem_pool_host(pool)
-        assert all(all(r) for r in write_batches(be, "w", 256, 32))
-        first = be.store.space.attached().geometry.store_id
-    with TierStoreBackend(storage_config({**extra, "capacity_gb": 8 * MiB / GiB}), {}) as be:
-        be.register_mem_pool_host(pool)
-        be.store.space.housekeeping.run_once()
-        assert be.store.space.attached().geometry.store_id == first
-        assert inspect.usage(be.store)["allocated_bytes"] <= 8 * MiB
-        assert page_files_bytes(extra["path"]) <= 8 * MiB + 64 * 1024
-        assert readable(be, pool, "w", 240, 16)
-        assert be.check() == []
-    with caplog.at_level(logging.WARNING):
-        with TierStoreBackend(storage_config({**extra, "capacity_gb": 2 * MiB / GiB}), {}) as be:
-            be.register_mem_pool_host(pool)
-            assert be.store.space.attached().geometry.store_id != first
-            assert inspect.usage(be.store)["region_bytes"] == 128 * 1024
-            assert be.batch_exists(keys(256, "w")[-16:]) == 0
-            assert all(all(r) for r in write_batches(be, "x", 64, 16))
-            assert page_files_bytes(extra["path"]) <= 2 * MiB + 64 * 1024
-            assert be.check() == []
-    assert len([r for r in caplog.records if "dropped store" in r.getMessage()]) == 1
-
-
-def test_pages_larger_than_a_region_fail_clearly(extra: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
-    cfg = {**extra, "capacity_gb": 1 * MiB / GiB}  # 64 KiB regions
-    pool = mha_pool("page_first_direct", page_size=16, layers=8, heads=4, head_dim=64, tokens=256)  # 128 KiB pages
-    fill(pool, 10)
-    with TierStoreBackend(storage_config(cfg), {}) as be:
-        be.register_mem_pool_host(pool)
+    cfg = {**extra, "capacity_gb": 64 * MiB / GiB}
+    with TierStoreBackend(storage_config(cfg), {}) as a:
+        a.register_mem_pool_host(pool)
+        assert all(all(r) for r in write_batches(a, "w", 600, 40))  # 600 pages of 64 KiB: 37.5 MiB
+        first = a.store.space.attached().geometry
         with caplog.at_level(logging.WARNING):
-            assert be.batch_set_v1(keys(2), page_indices([0, 1], 16)) == [False, False]
-        assert "larger than the store's 65536-byte regions" in caplog.text
-        assert be.store.stats()["write_too_big"] == 2
-        assert be.check() == []
+            with TierStoreBackend(storage_config({**extra, "capacity_gb": 8 * MiB / GiB}), {}) as c:
+                c.register_mem_pool_host(pool)
+                assert [r.getMessage() for r in caplog.records if "is not applied" in r.getMessage()] == [
+                    f"tierstore: store {first.store_id} (prefix {extra['redis_prefix']!r}) has capacity 0.062 GiB; this "
+                    "process's capacity_gb 0.008 is not applied (a store's capacity is its own: `tierstore resize` "
+                    "changes it)"]
+                c.store.space.housekeeping.run_once()
+                assert c.store.space.attached().geometry == first
+                assert inspect.usage(c.store)["capacity_bytes"] == 64 * MiB
+                assert c.batch_exists(keys(600, "w")) == 600 and readable(c, pool, "w", 584, 16)
+                c.store.space.set_capacity(8 * MiB)  # the operator's act (tierstore resize)
+                for _ in range(4):
+                    c.store.space.housekeeping.run_once()
+                assert c.store.space.attached().geometry == first
+                assert inspect.usage(c.store)["allocated_bytes"] <= 8 * MiB
+                assert page_files_bytes(extra["path"]) <= 8 * MiB + 64 * 1024
+                assert c.check() == []
+        assert "dropped store" not in caplog.text
+
+
+@pytest.mark.parametrize("page", [96 * MiB + 4096, GiB])
+def test_a_store_is_cut_for_the_pages_it_is_created_for(page: int) -> None:
+    """Pages of any size up to 1 GiB get regions that hold them, when the store is created
+    for them and is large enough (four regions at least); the region size is a power of
+    two at least the page. Unit: the sizes a new store chooses."""
+    from sglang_tierstore.space.geometry import region_bytes_for
+
+    rb = region_bytes_for(8 * page, page)
+    assert rb >= page and rb & (rb - 1) == 0 and rb < 2 * page + 8192
+    assert region_bytes_for(64 * GiB, 256 << 10) == 64 * MiB  # ordinary pages: as before
+    with pytest.raises(ValueError, match=rf"needs at least 4 of them: capacity_gb {4 * rb / GiB:g} or more"):
+        region_bytes_for(2 * page, page)
+    with pytest.raises(ValueError, match="larger than the largest a store holds"):
+        region_bytes_for(64 * GiB, 2 * GiB)
+
+
+def test_pages_of_96_mib_are_stored_and_read_back(tmp_path: Any, redis_proc: Any) -> None:
+    """A large model with a large --page-size (80 layers x 8 KV heads x 128 x 2 x 2 bytes x
+    256 tokens = 80 MiB per page, and more): its pages round-trip through a store created
+    for them, which cuts 128 MiB regions."""
+    import uuid
+
+    from engine_kit import engine, pages, views
+
+    page = 96 * MiB
+    with engine({"path": str(tmp_path / "s"), "redis_url": redis_proc.url, "redis_prefix": "big-" + uuid.uuid4().hex[:8],
+                 "capacity_gb": 0.5, "io_threads": 4}) as st:
+        ns = st.namespace({"model": "big"}, page)
+        assert inspect.usage(st)["region_bytes"] == 128 * MiB
+        src = pages(2, page, 3)
+        assert st.write(ns, keys(2, "big"), views(src), False) == [True, True]
+        out = [bytearray(page) for _ in range(2)]
+        assert st.read(ns, keys(2, "big"), views(out), False) == [True, True] and out == src
+        assert inspect.check(st) == []
+
+
+def test_pages_larger_than_an_existing_stores_regions_are_a_clear_error(extra: dict[str, Any]) -> None:
+    """A store created for 64 KiB pages cuts 1 MiB regions (a 16 MiB store); a pool of
+    2 MiB pages registered on it later is refused at registration, with the page size,
+    the region size and the ways out; a store too small for the pages it would be created
+    for is refused naming the capacity it needs."""
+    small = mha_pool("page_first_direct", **A_POOL)
+    big = mha_pool("page_first_direct", page_size=16, layers=128, heads=4, head_dim=64, tokens=64)  # 2 MiB pages
+    cfg = {**extra, "capacity_gb": 16 * MiB / GiB}
+    with TierStoreBackend(storage_config(cfg, model="small"), {}) as be:
+        be.register_mem_pool_host(small)
+    with TierStoreBackend(storage_config(cfg, model="big"), {}) as be:
+        with pytest.raises(ConfigError, match=r"pages of 2097152 bytes do not fit store \w+'s 1048576-byte regions .*"
+                                              r"another redis_prefix.*tierstore drop"):
+            be.register_mem_pool_host(big)
+    tiny = {**extra, "redis_prefix": extra["redis_prefix"] + "-tiny", "capacity_gb": 4 * MiB / GiB}
+    with TierStoreBackend(storage_config(tiny, model="big"), {}) as be:
+        with pytest.raises(ConfigError, match=r"'capacity_gb': a store for pages of 2097152 bytes has 2097152-byte "
+                                              r"regions and needs at least 4 of them: capacity_gb 0.0078125 or more"):
+            be.register_mem_pool_host(big)
+

@@ -57,14 +57,16 @@ class AllocatorMachine(RuleBasedStateMachine):
                     "capacity_gb": self.capacity / (1 << 30), "io_threads": 2, "lease_s": LEASE_S,
                     "index_shards": self.shards, "free_target": 0.1}
         self.spawn()
+        for n in range(len(PAGE_SIZES)):  # the store is created for its pages
+            self.ns(self.procs[0], n)
 
     def clock(self) -> float:
         return self.now
 
     def spawn(self) -> None:
-        """A process starting now (with the capacity the store has now: a process that
-        starts with another ``capacity_gb`` sets the store's)."""
-        p = engine(self.cfg, clock=self.clock, capacity_gb=self.capacity / (1 << 30))
+        """A process starting now, with the store's first capacity_gb (it keeps the store's
+        capacity, whatever it was given)."""
+        p = engine(self.cfg, clock=self.clock)
         self.procs.append(p)
 
     def ns(self, p: TierStore, i: int) -> Namespace:

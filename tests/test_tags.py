@@ -178,7 +178,8 @@ def test_a_lost_key_turns_every_page_into_a_miss(cfg: dict[str, Any], tmp_path: 
 
 def test_directories_with_different_keys_or_a_broken_key_are_refused(cfg: dict[str, Any], tmp_path: Path) -> None:
     dirs = [str(tmp_path / "d1"), str(tmp_path / "d2")]
-    engine(cfg, path=dirs).close()
+    with engine(cfg, path=dirs) as st:
+        st.namespace({"model": "m"}, 4096)  # the store is created for its first pages
     f1, f2 = sorted(_key_files(str(tmp_path)))
     Path(f2).write_bytes(os.urandom(KEY_BYTES))
     with pytest.raises(ConfigError, match="different entry keys") as e:

@@ -38,7 +38,15 @@ import time as mod_time
 from typing import Callable, Iterable, Mapping, NamedTuple, Optional, Sequence, Type
 
 from sglang_tierstore.config import TierStoreConfig
-from sglang_tierstore.errors import IndexUnavailable, PageIOError, StoreClosed, StoreDetached, TierStoreError
+from sglang_tierstore.errors import (
+    IndexUnavailable,
+    NoStoreYet,
+    PageIOError,
+    StoreClosed,
+    StoreDetached,
+    StoreUnavailable,
+    TierStoreError,
+)
 from sglang_tierstore.index import RedisIndex
 from sglang_tierstore.metrics import Metrics, RateLimitedLog
 from sglang_tierstore.pagefile import FileRef, PageFiles
@@ -47,9 +55,10 @@ from sglang_tierstore.schema import shard_key, shard_of
 from sglang_tierstore.space import attach
 from sglang_tierstore.space.attach import Home
 from sglang_tierstore.space.files import Files
-from sglang_tierstore.space.geometry import Geometry
+from sglang_tierstore.space.geometry import Geometry, check_capacity
 from sglang_tierstore.space.housekeeping import Housekeeper
 from sglang_tierstore.space.leases import Commits, Leases, Reply, Slot
+from sglang_tierstore.space.library import LIBRARY
 from sglang_tierstore.tags import EntryTags
 
 LEASE_ROUNDS = 4  # lease calls a reserve may make while it adds page files
@@ -166,7 +175,8 @@ class Attachment:
     (then :class:`Space` attaches anew and this one answers nothing more)."""
 
     def __init__(self, home: Home, index: RedisIndex, cfg: TierStoreConfig, modes: Modes, token: str,
-                 clock: Callable[[], float], metrics: Metrics, log: RateLimitedLog, page_files: Type[PageFiles]) -> None:
+                 clock: Callable[[], float], metrics: Metrics, log: RateLimitedLog, page_files: Type[PageFiles],
+                 read_only: bool = False) -> None:
         self.home = home
         self.geometry: Geometry = home.geometry
         self.tag = home.tag
@@ -176,7 +186,7 @@ class Attachment:
         self.metrics = metrics
         self.log = log
         self.tags = EntryTags(home.entry_key)
-        self.pages = page_files(home.file_identity(), home.dirs, cfg.o_direct, modes)
+        self.pages = page_files(home.file_identity(), home.dirs, cfg.o_direct, modes, read_only)
         self.leases = Leases(index, home, ",".join(home.dirs), cfg.lease_s, token, clock)
         self.files = Files(index, home, self.pages, self.leases, metrics, log, clock)
         self._touch: dict[int, dict[int, float]] = {}
@@ -262,38 +272,62 @@ class Attachment:
             self.pages.close()
 
 
+def _not_attached(why: str, kind: str) -> StoreUnavailable:
+    e = StoreUnavailable(f"the store is not attached ({why}); trying again shortly")
+    e.kind = kind
+    return e
+
+
 class Space:
     """Where bytes may go in the store a process's config names: attached on first use,
     attached anew when the store goes from the index, and housekept."""
 
     def __init__(self, cfg: TierStoreConfig, index: RedisIndex, modes: Modes, token: str, metrics: Metrics,
-                 log: RateLimitedLog, clock: Callable[[], float] = mod_time.time, startup: bool = True,
+                 log: RateLimitedLog, clock: Callable[[], float] = mod_time.time, observe: bool = False,
                  page_files: Type[PageFiles] = PageFiles) -> None:
-        """``startup``: this process owns the store's settings, so its first attach may
-        re-format the store for ``cfg.capacity_gb`` and records that capacity (a server).
-        False: join the store as it is (an operator's tool). ``page_files``: the class
-        that moves bytes (tests inject one that fails or waits)."""
+        """``observe``: an operator's tool, which joins the store as it is and writes
+        nothing on disk (:func:`attach.observe`); else a serving process, which adopts the
+        store or creates it once it knows its pages (:meth:`expect_pages`,
+        :func:`attach.attach`). ``page_files``: the class that moves bytes (tests inject
+        one that fails or waits)."""
         self.cfg = cfg
         self.index = index
+        index.load(LIBRARY)
         self.modes = modes
         self.metrics = metrics
         self.log = log
         self.clock = clock
+        self.observe = observe
         self.housekeeping = Housekeeper(self)
+        self.largest_page: Optional[int] = None  # of this process's namespaces: what a new store is created for
         self._token = token
         self._page_files = page_files
-        self._startup = startup
+        self._first = True
         self._att: Optional[Attachment] = None
         self._lock = threading.Lock()
         self._closed = False
+        self._retry_at = -float("inf")  # after an attach that could not be done, when to try again
+        self._why, self._kind = "", ""
         self._listeners: list[Callable[[Attachment], None]] = []
 
     def on_attach(self, fn: Callable[[Attachment], None]) -> None:
         """Call ``fn`` with every new attachment (the store registers its namespaces)."""
         self._listeners.append(fn)
 
+    def expect_pages(self, page_bytes: int) -> None:
+        """Pages of this size will be stored: a store this process creates from now on
+        holds them (and the next call tries to attach at once)."""
+        if self.largest_page is None or page_bytes > self.largest_page:
+            self.largest_page = page_bytes
+            self._retry_at = -float("inf")
+
     def attached(self) -> Attachment:
-        """The store this process works on, attaching first if needed."""
+        """The store this process works on, attaching first if needed.
+
+        StoreUnavailable (its ``kind`` says why) while that cannot be done for a reason a
+        cache rides out: the index down, full or read-only, the directories full, no store
+        yet and no pages known to create it for. After such a failure the next try waits
+        ``redis_retry_s``. An operator's tool gets NoStore where there is no store."""
         a = self._att
         if a is not None:
             return a
@@ -301,16 +335,32 @@ class Space:
             if self._closed:
                 raise StoreClosed("the store is closed")
             if self._att is None:
-                cfg = self.cfg
-                home = attach.attach(self.index, cfg.redis_prefix, cfg.path, cfg.capacity_bytes, cfg.index_shards,
-                                     startup=self._startup, now=self.clock(), access=self.modes)
-                self._startup = False
-                a = Attachment(home, self.index, cfg, self.modes, self._token, self.clock, self.metrics, self.log,
-                               self._page_files)
-                for fn in self._listeners:
-                    fn(a)
-                self._att = a
+                self._att = self._attach()
             return self._att
+
+    def _attach(self) -> Attachment:
+        """Caller holds the lock."""
+        cfg = self.cfg
+        if mod_time.monotonic() < self._retry_at:
+            raise _not_attached(self._why, self._kind)
+        try:
+            if self.observe:
+                home = attach.observe(self.index, cfg.redis_prefix, cfg.path)
+            else:
+                home = attach.attach(self.index, cfg.redis_prefix, cfg.path, cfg.capacity_bytes, cfg.index_shards,
+                                     self.clock(), self._first, self.largest_page, self.modes)
+        except NoStoreYet:
+            raise  # no waiting: another process may create it any moment
+        except StoreUnavailable as e:
+            self._retry_at = mod_time.monotonic() + cfg.redis_retry_s
+            self._why, self._kind = str(e), e.kind
+            raise
+        self._first = False
+        a = Attachment(home, self.index, cfg, self.modes, self._token, self.clock, self.metrics, self.log,
+                       self._page_files, read_only=self.observe)
+        for fn in self._listeners:
+            fn(a)
+        return a
 
     def detach(self, e: StoreDetached, a: Optional[Attachment] = None) -> None:
         """The store is gone from the index: drop the attachment (``a``, or whatever is
@@ -323,9 +373,11 @@ class Space:
         self.log.warning("detached", "%s; attaching again", e)
 
     def set_capacity(self, capacity: int) -> None:
-        """Change the store's capacity (bytes) while running: housekeeping in every
-        process evicts down to it and punches the space out of the files."""
+        """Change the store's capacity (bytes): housekeeping in every process evicts down to
+        it and punches the space out of the files. ValueError unless it is 0 (hold
+        nothing) or holds a region (the region size is the store's for good)."""
         a = self.attached()
+        check_capacity(a.geometry.region_bytes, capacity)
         attach.set_capacity(self.index, a.tag, a.geometry, capacity)
         a.capacity = capacity
         self.cfg = self.cfg.with_capacity(capacity)  # a store created anew gets it too

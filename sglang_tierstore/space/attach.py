@@ -13,12 +13,22 @@ the store's entry key (:mod:`sglang_tierstore.tags`). So:
   removed keeps its files where they are, and the store forgets them once no process
   has reported that directory for ``10 * lease_s``.
 
-Attaching (under a lock on every directory) adopts the store the markers name if
-the index knows it, and otherwise creates one. At start-up a known store is dropped
-and re-created (it is a cache; one log line says why) when its format is not this
-build's or its region size is 4x off what ``capacity_gb`` calls for. Stores of the
-layout before regions (keys ``<prefix>:bytes``, ``<prefix>:e:...``, files
-``<dir>/c<bytes>/f*.slots``) are dropped the same way.
+A serving process attaches (:func:`attach`, under a lock on every directory): it adopts the
+store the markers name if the index knows it, and otherwise creates one, once it knows the
+largest page the store is for (its region size depends on it; until then the process
+answers misses). A store is never re-cut for a capacity: the first process's
+``capacity_gb`` and pages set it, and a process started with another ``capacity_gb`` logs
+both values and uses the store's (``tierstore resize`` changes it). At its first attach a
+process drops a store of another format version, or of the layout before regions (keys
+``<prefix>:bytes``, ``<prefix>:e:...``, files ``<dir>/c<bytes>/f*.slots``): it is a cache;
+one log line says why. Operators' tools join (:func:`observe`): they read the markers, the
+index and the entry key, and write nothing.
+
+What a full index or a full disk refuses is ridden out: attaching to a store that exists
+reads first and writes only what is missing (an index at ``maxmemory`` refuses every write,
+even one that would change nothing), and reporting this process's directories is a hint
+that may fail; a directory that cannot be written for want of permission is a ConfigError
+naming it and its owner.
 """
 
 from __future__ import annotations
@@ -38,15 +48,23 @@ from typing import Iterator, Optional, Sequence
 
 import xxhash
 
-from sglang_tierstore.errors import ConfigError, NoStore
+from sglang_tierstore.errors import (
+    ConfigError,
+    IndexRefusesWrites,
+    NoStore,
+    NoStoreYet,
+    StoreDirsUnavailable,
+    TierStoreError,
+)
 from sglang_tierstore.index import RedisIndex
-from sglang_tierstore.perms import PRIVATE, Modes, own_dir, write_file
+from sglang_tierstore.perms import PRIVATE, Modes, describe_owner, own_dir, write_file
 from sglang_tierstore.schema import CONF_FIELDS, FORMAT, glob_escape, meta_key, shard_keys, store_keys, store_tag
-from sglang_tierstore.space.geometry import Geometry, needs_new_geometry, region_bytes_for, regions_per_file_for
-from sglang_tierstore.space.library import LIBRARY
-from sglang_tierstore.tags import load_key
+from sglang_tierstore.space.geometry import Geometry, region_bytes_for, regions_per_file_for
+from sglang_tierstore.tags import load_key, read_key
 
 logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
 
 MARKER = "store.json"
 _SAFE = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -129,23 +147,35 @@ def _write_marker(path: str, prefix: str, store_id: str, dir_id: str, m: Modes) 
     write_file(os.path.join(prefix_dir(path, prefix), MARKER), doc, m)
 
 
-def find_store(index: RedisIndex, prefix: str, paths: Sequence[str]) -> str:
-    """The id of the store these directories belong to, creating nothing (``attach``
-    creates a store where none is): for operators' tools that look before they attach.
-    NoStore saying why when the directories carry no marker or the index does not hold
-    the store they name in this build's format (then ``attach`` would drop it)."""
-    ids = _one_store([_read_marker(p, prefix) for p in paths])
+def _stored_meta(index: RedisIndex, prefix: str, store_id: str) -> dict[str, str]:
+    return {k.decode(): v.decode() for k, v in index.hgetall(meta_key(store_tag(prefix, store_id), "meta")).items()}
+
+
+def _geometry(store_id: str, meta: dict[str, str]) -> Geometry:
+    return Geometry(store_id, int(meta["region_bytes"]), int(meta["regions_per_file"]), int(meta["shards"]))
+
+
+def observe(index: RedisIndex, prefix: str, paths: Sequence[str]) -> Home:
+    """Join the store these directories belong to as it is, writing nothing anywhere (no
+    lock, marker, key, mode or directory report): for operators' tools, run as any user
+    that can read the store (its owner, root, a member of a ``file_access: group`` store's
+    group). Directories that carry no marker of the store are left out. NoStore saying why
+    when there is none, or the index does not hold it in this build's format."""
+    markers = [_read_marker(p, prefix) for p in paths]
+    ids = _one_store(markers)
     if not ids:
         raise NoStore(f"no store with prefix {prefix!r} in {', '.join(paths)} "
                       "(no server has used these directories with this prefix yet)")
-    meta = index.hgetall(meta_key(store_tag(prefix, ids[0]), "meta"))
+    store_id = ids[0]
+    meta = _stored_meta(index, prefix, store_id)
     if not meta:
-        raise NoStore(f"the directories name store {ids[0]} (prefix {prefix!r}), but the index holds nothing for it "
+        raise NoStore(f"the directories name store {store_id} (prefix {prefix!r}), but the index holds nothing for it "
                       "(Redis lost its data, or this is not the Redis its servers use)")
-    if int(meta.get(b"format", 0)) != FORMAT:
-        raise NoStore(f"store {ids[0]} (prefix {prefix!r}) is in format {meta.get(b'format', b'?').decode()}; this build "
+    if int(meta.get("format", 0)) != FORMAT:
+        raise NoStore(f"store {store_id} (prefix {prefix!r}) is in format {meta.get('format', '?')}; this build "
                       f"reads format {FORMAT} (a server of this build drops and re-creates it at start-up)")
-    return ids[0]
+    dirs = {m["dir"]: store_dir(p, prefix, store_id) for p, m in zip(paths, markers) if m and m["store"] == store_id}
+    return Home(prefix, _geometry(store_id, meta), dirs, store_tag(prefix, store_id), read_key(list(dirs.values())))
 
 
 def drop_legacy(index: RedisIndex, prefix: str, paths: Sequence[str]) -> bool:
@@ -188,62 +218,86 @@ def _drop_store(index: RedisIndex, prefix: str, store_id: str, shards: int, path
     logger.warning("tierstore: dropped store %s (prefix %r): %s; starting an empty one", store_id, prefix, why)
 
 
-def attach(index: RedisIndex, prefix: str, paths: Sequence[str], capacity: int, shards: int,
-           startup: bool, now: float, access: Modes = PRIVATE) -> Home:
-    """Adopt or create the store these directories belong to (see module docstring).
+def attach(index: RedisIndex, prefix: str, paths: Sequence[str], capacity: int, shards: int, now: float,
+           first: bool, largest_page: Optional[int], access: Modes = PRIVATE) -> Home:
+    """Adopt or create the store these directories belong to (see the module docstring).
 
-    ``startup``: this is the process's first attach, so the store may be re-formatted
-    for ``capacity`` and the recorded capacity is set to it. A later attach (the store
-    went away under a running process) only adopts or creates.
-    """
-    index.load(LIBRARY)
-    with _locked(paths, prefix, access):
-        markers = [_read_marker(p, prefix) for p in paths]
-        ids = _one_store(markers)
-        if startup:
-            drop_legacy(index, prefix, paths)
-        store_id = ids[0] if ids else None
-        meta: dict[str, str] = {}
-        if store_id is not None:
-            meta = {k.decode(): v.decode() for k, v in index.hgetall(meta_key(store_tag(prefix, store_id), "meta")).items()}
-            why = None
-            if not meta:
-                why = "the index holds nothing for it (Redis lost its data, or it was dropped)"
-            elif int(meta.get("format", 0)) != FORMAT:
-                why = f"it was written in format {meta.get('format')} and this build reads format {FORMAT}"
-            elif startup and needs_new_geometry(int(meta["region_bytes"]), capacity):
-                why = (f"its {int(meta['region_bytes']) >> 10} KiB regions do not suit capacity {capacity >> 20} MiB "
-                       f"({region_bytes_for(capacity) >> 10} KiB would)")
-            if why:
-                _drop_store(index, prefix, store_id, int(meta.get("shards", 1)), paths, why)
-                store_id, meta = None, {}
-        if store_id is None:
-            store_id = secrets.token_hex(8)
-            rb = region_bytes_for(capacity)
-            shards = max(1, min(shards, capacity // rb))  # every shard gets a region at least
-            meta = {"format": str(FORMAT), "region_bytes": str(rb), "shards": str(shards), "capacity": str(capacity),
-                    "regions_per_file": str(regions_per_file_for(capacity, rb, len(paths))), "created": repr(mod_time.time())}
-        tag = store_tag(prefix, store_id)
-        meta = index.hsetnx_all(meta_key(tag, "meta"), meta)
-        geometry = Geometry(store_id, int(meta["region_bytes"]), int(meta["regions_per_file"]), int(meta["shards"]))
-        for s in range(geometry.shards):
+    ``first``: this process's first attach (stores of other formats and the layout before
+    regions are dropped then). ``largest_page``: the largest page the process knows it
+    will store; None: adopt only (NoStoreYet when there is no store to adopt). Creating
+    a store: ``capacity`` and ``shards`` (ConfigError if ``capacity`` cannot hold pages
+    that large). IndexUnavailable (IndexRefusesWrites) if the index cannot do what is
+    needed; StoreDirsUnavailable if the directories cannot take what must be written
+    (a full disk: ``perms.check_dirs`` has shown them writable)."""
+    try:
+        with _locked(paths, prefix, access):
+            return _attach_locked(index, prefix, paths, capacity, shards, now, first, largest_page, access)
+    except TierStoreError:
+        raise
+    except PermissionError as e:
+        where = e.filename or paths[0]
+        raise ConfigError(f"tierstore config key 'path': {where} cannot be written by this process "
+                          f"({describe_owner(where)}): {e.strerror}") from None
+    except OSError as e:
+        raise StoreDirsUnavailable(f"the store's directories cannot be written now ({e.filename}: {e.strerror})") from e
+
+
+def _attach_locked(index: RedisIndex, prefix: str, paths: Sequence[str], capacity: int, shards: int, now: float,
+                   first: bool, largest_page: Optional[int], access: Modes) -> Home:
+    markers = [_read_marker(p, prefix) for p in paths]
+    ids = _one_store(markers)
+    if first:
+        drop_legacy(index, prefix, paths)
+    store_id = ids[0] if ids else None
+    meta: dict[str, str] = {}
+    if store_id is not None:
+        meta = _stored_meta(index, prefix, store_id)
+        why = None
+        if not meta:
+            why = "the index holds nothing for it (Redis lost its data, or it was dropped)"
+        elif int(meta.get("format", 0)) != FORMAT:
+            why = f"it was written in format {meta.get('format')} and this build reads format {FORMAT}"
+        if why:
+            _drop_store(index, prefix, store_id, int(meta.get("shards", 1)), paths, why)
+            store_id, meta = None, {}
+    if store_id is None:
+        if largest_page is None:
+            raise NoStoreYet(f"no store with prefix {prefix!r} in {', '.join(paths)} yet: it is created with the "
+                             "first pages' size")
+        store_id = secrets.token_hex(8)
+        try:
+            rb = region_bytes_for(capacity, largest_page)
+        except ValueError as e:
+            raise ConfigError(f"tierstore config key 'capacity_gb': {e}") from None
+        shards = max(1, min(shards, capacity // rb))  # every shard gets a region at least
+        meta = {"format": str(FORMAT), "region_bytes": str(rb), "shards": str(shards), "capacity": str(capacity),
+                "regions_per_file": str(regions_per_file_for(capacity, rb, len(paths))), "created": repr(mod_time.time())}
+        meta = index.hsetnx_all(meta_key(store_tag(prefix, store_id), "meta"), meta)
+    tag = store_tag(prefix, store_id)
+    geometry = _geometry(store_id, meta)
+    for s in range(geometry.shards):  # a creator that died between the two leaves them to the next
+        if not index.exists([shard_keys(tag, s)[0]]):
             index.hsetnx_all(shard_keys(tag, s)[0], shard_conf(geometry, s, int(meta["capacity"])))
-        if startup and int(meta["capacity"]) != capacity:
-            set_capacity(index, tag, geometry, capacity)
-            logger.info("tierstore: store %s capacity %d MiB -> %d MiB", store_id, int(meta["capacity"]) >> 20, capacity >> 20)
-        dirs: dict[str, str] = {}
-        for p, m in zip(paths, markers):
-            dir_id = m["dir"] if m else secrets.token_hex(4)
-            if not m or m["store"] != store_id:
-                _write_marker(p, prefix, store_id, dir_id, access)
-            sd = store_dir(p, prefix, store_id)
-            own_dir(sd, access)
-            dirs[dir_id] = sd
-            for other in os.listdir(prefix_dir(p, prefix)):  # pages of stores dropped meanwhile
-                if other != store_id and re.match(r"^[0-9a-f]{16}$", other):
-                    shutil.rmtree(os.path.join(prefix_dir(p, prefix), other), ignore_errors=True)
-        entry_key = load_key(list(dirs.values()), access)
+    if int(meta["capacity"]) != capacity:
+        logger.warning("tierstore: store %s (prefix %r) has capacity %.3f GiB; this process's capacity_gb %.3f is not "
+                       "applied (a store's capacity is its own: `tierstore resize` changes it)",
+                       store_id, prefix, int(meta["capacity"]) / GiB, capacity / GiB)
+    dirs: dict[str, str] = {}
+    for p, m in zip(paths, markers):
+        dir_id = m["dir"] if m else secrets.token_hex(4)
+        if not m or m["store"] != store_id:
+            _write_marker(p, prefix, store_id, dir_id, access)
+        sd = store_dir(p, prefix, store_id)
+        own_dir(sd, access)
+        dirs[dir_id] = sd
+        for other in os.listdir(prefix_dir(p, prefix)):  # pages of stores dropped meanwhile
+            if other != store_id and re.match(r"^[0-9a-f]{16}$", other):
+                shutil.rmtree(os.path.join(prefix_dir(p, prefix), other), ignore_errors=True)
+    entry_key = load_key(list(dirs.values()), access)
+    try:
         report_dirs(index, tag, dirs, now)
+    except IndexRefusesWrites as e:  # a hint for retiring directories: the next audit reports again
+        logger.warning("tierstore: reporting this process's directories failed (%s); the next audit does", e)
     return Home(prefix, geometry, dirs, tag, entry_key)
 
 

@@ -1,12 +1,14 @@
 """Regions and files, as numbers: how a store is cut, and where a slot lies. Pure.
 
-A store has one region size ``R`` (:func:`region_bytes_for`: capacity / 16 rounded down
-to a power of two, clamped to 64 KiB..64 MiB; fixed when the store is created). At least
-16 regions means eviction never takes more than 1/16 of the store at once and two or
-three page sizes each find room even in a store of a few MiB. At most 64 MiB keeps what
-one eviction drops to a blink of a 500 GB store (0.013%) while a 128-page write of
-256 KiB pages still fits one region, so prefixes land in consecutive slots; 10 TB is
-160k regions, a few MB of index. A page larger than ``R`` cannot be stored.
+A store has one region size ``R``, fixed when it is created (:func:`region_bytes_for`):
+capacity / 16 rounded down to a power of two, clamped to 64 KiB..64 MiB, and at least the
+largest page the store is created for (rounded up to a power of two, up to 1 GiB). At
+least 16 regions means eviction never takes more than 1/16 of the store at once and two or
+three page sizes each find room even in a store of a few MiB; at most 64 MiB for ordinary
+pages keeps what one eviction drops to a blink of a 500 GB store (0.013%) and the slots of
+a region few enough for one call to walk (16,384 of 4 KiB), while a 128-page write of
+256 KiB pages still fits one region. A store's capacity may later change to anything that
+holds a region, or to 0 (:func:`check_capacity`): the region size stays.
 
 A page file holds ``regions_per_file`` regions after a 4 KiB header; file ``n`` holds
 regions ``n * regions_per_file ...``, and belongs to shard ``n % shards``. A region is
@@ -20,29 +22,48 @@ from dataclasses import dataclass
 from sglang_tierstore.schema import HEADER_BYTES, round_up
 
 MiB = 1 << 20
+GiB = 1 << 30
 MIN_REGION = 64 << 10
-MAX_REGION = 64 * MiB
-MIN_REGIONS = 16
+MAX_REGION = 64 * MiB  # for pages up to this size
+MAX_PAGE = 1 * GiB  # the largest page a store can be created for
+REGIONS = 16  # a new store's regions, when its pages allow
+MIN_REGIONS = 4  # the fewest regions a store is created with
+MIN_CAPACITY = REGIONS * MIN_REGION  # 1 MiB
 MAX_REGIONS_PER_FILE = 64
-REFORMAT_RATIO = 4  # a start-up re-cuts a store whose region size is this far from its capacity's
 
 
-def region_bytes_for(capacity: int) -> int:
-    """Region size for a store of ``capacity`` bytes (see module docstring)."""
-    r = 1 << max(0, (capacity // MIN_REGIONS).bit_length() - 1)
-    return max(MIN_REGION, min(MAX_REGION, r))
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def region_bytes_for(capacity: int, largest_page: int = 0) -> int:
+    """Region size for a new store of ``capacity`` bytes whose largest page is
+    ``largest_page`` bytes (see module docstring). ValueError, saying what capacity would
+    do, if the capacity cannot hold :data:`MIN_REGIONS` regions of pages that large."""
+    r = 1 << max(0, (capacity // REGIONS).bit_length() - 1)
+    r = max(MIN_REGION, min(MAX_REGION, r))
+    if largest_page > r:
+        if largest_page > MAX_PAGE:
+            raise ValueError(f"pages of {largest_page} bytes are larger than the largest a store holds ({MAX_PAGE} bytes)")
+        r = _pow2_at_least(round_up(largest_page))
+    if capacity < MIN_REGIONS * r:
+        raise ValueError(f"a store for pages of {largest_page} bytes has {r}-byte regions and needs at least "
+                         f"{MIN_REGIONS} of them: capacity_gb {MIN_REGIONS * r / GiB:g} or more (got {capacity / GiB:g})")
+    return r
+
+
+def check_capacity(region_bytes: int, capacity: int) -> None:
+    """ValueError unless ``capacity`` (a store's new capacity) is 0 (the store holds
+    nothing: everything is evicted) or holds at least one of its regions."""
+    if capacity != 0 and capacity < region_bytes:
+        raise ValueError(f"capacity {capacity} bytes holds none of the store's {region_bytes}-byte regions: 0 (hold "
+                         f"nothing) or at least {region_bytes} bytes (capacity_gb {region_bytes / GiB:g})")
 
 
 def regions_per_file_for(capacity: int, region_bytes: int, dirs: int) -> int:
     """Files hold half a directory's share of the store (so a store spreads over its
     directories from the start), at most 64 regions (4 GiB files at 64 MiB regions)."""
     return max(1, min(MAX_REGIONS_PER_FILE, capacity // region_bytes // (2 * dirs)))
-
-
-def needs_new_geometry(region_bytes: int, capacity: int) -> bool:
-    """Whether a store of ``region_bytes`` regions is too far from what ``capacity`` calls for."""
-    ideal = region_bytes_for(capacity)
-    return max(ideal, region_bytes) >= REFORMAT_RATIO * min(ideal, region_bytes)
 
 
 def slots_per_region(region_bytes: int, page_bytes: int) -> int:

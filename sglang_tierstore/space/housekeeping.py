@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Callable, Optional
 
-from sglang_tierstore.errors import IndexUnavailable, StoreDetached, TierStoreError
+from sglang_tierstore.errors import IndexUnavailable, NoStoreYet, StoreDetached, StoreUnavailable, TierStoreError
 from sglang_tierstore.io_engine import name_os_thread
 
 if TYPE_CHECKING:
@@ -57,9 +57,11 @@ class Housekeeper:
             a.files.forget_lost(MAX_WORK)
             while self.sweep(a) >= MAX_WORK:
                 pass  # shrinking a lot at once: keep going, a bounded call at a time
-        except IndexUnavailable as e:
+        except StoreUnavailable as e:  # the index down, full or read-only, the disk full, no store yet
+            if e.kind == NoStoreYet.kind:
+                return  # nothing to keep yet
             space.log.warning("housekeeping", "housekeeping skipped: %s", e)
-            if self._on_index_down is not None:
+            if e.kind == IndexUnavailable.kind and self._on_index_down is not None:
                 self._on_index_down()
         except StoreDetached as e:
             space.detach(e, a)
