@@ -33,7 +33,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from sglang_tierstore.config import TierStoreConfig, redact_url
 from sglang_tierstore.embedded import embedded_running, ensure_embedded_redis, redis_dir, stop_embedded_redis
-from sglang_tierstore.errors import StoreDetached, StoreUnavailable, TierStoreError
+from sglang_tierstore.errors import EmbeddedNotStarted, StoreDetached, StoreUnavailable, TierStoreError
 from sglang_tierstore import inspect
 from sglang_tierstore.hostmem import PagePlan, tensor_bytes
 from sglang_tierstore.io_engine import Gate
@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Any])
 IO_STATS_MAX = 4096
+RESTART_BACKOFF_MAX_S = 30.0  # the longest wait between two failed starts of the embedded index
 CLOSE_WAIT_S = 10.0  # what close() waits for calls in flight and threads, in all (SGLang gives its own threads 10 s)
 KV = str(PoolName.KV)
 
@@ -132,7 +133,11 @@ class TierStoreBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
         started = False
         try:
             if self.cfg.redis_url is None:
-                url, started = ensure_embedded_redis(self.cfg.path[0], self.modes, self.cfg.redis_server)
+                try:
+                    url, started = ensure_embedded_redis(self.cfg.path[0], self.modes, self.cfg.redis_server)
+                except EmbeddedNotStarted as e:  # up answering misses; housekeeping starts it again
+                    logger.warning("%s; answering misses until it runs", e)
+                    url = e.url
             else:
                 url = self.cfg.redis_url
             self.store = TierStore(self.cfg, url, metrics=Metrics(_rank(storage_config)))
@@ -142,6 +147,7 @@ class TierStoreBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
             shared = embedded and embedded_running(self.cfg.path[0])  # another rank's: it stays, with its directory
             remove_created(created, keep=redis_dir(self.cfg.path[0]) if shared else None)
             raise
+        self._restart_at = self._restart_wait_s = 0.0
         self.store.start_housekeeping(self._restart_embedded_redis if embedded else None)
         self._pools: dict[str, _Pool] = {}
         self._lock = threading.Lock()
@@ -158,14 +164,20 @@ class TierStoreBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
 
     def _restart_embedded_redis(self) -> None:
         """Housekeeping found the index down: start the embedded Redis again if it died
-        (not once this backend is closed: a detach must not bring it back)."""
-        if getattr(self, "_closed", False):
+        (not once this backend is closed: a detach must not bring it back). After a failed
+        start the next waits twice as long, up to ``RESTART_BACKOFF_MAX_S``."""
+        now = time.monotonic()
+        if getattr(self, "_closed", False) or now < self._restart_at:
             return
         try:
             ensure_embedded_redis(self.cfg.path[0], self.modes, self.cfg.redis_server)
+            self._restart_wait_s = 0.0
         except TierStoreError as e:
+            self._restart_wait_s = min(RESTART_BACKOFF_MAX_S, max(1.0, 2 * self._restart_wait_s))
+            self._restart_at = time.monotonic() + self._restart_wait_s
             self.store.metrics.error("embedded_redis")
-            self.store.log.warning("embedded", "cannot restart the embedded Redis: %s", e)
+            self.store.log.warning("embedded", "cannot restart the embedded Redis (next try in %.0f s): %s",
+                                   self._restart_wait_s, e)
 
     # -- registration -----------------------------------------------------------
 

@@ -5,7 +5,11 @@ redis-server (or valkey-server: see :func:`server_binary`) listening on a unix
 socket, with AOF persistence under ``<path>/redis``. Whoever finds it missing starts
 it (under a file lock, so one does); it is daemonized and outlives the process that
 started it, so restarts and other ranks find it, and a backend that sees it gone
-starts it again.
+starts it again. The index is a cache's, so it is disposable: a server that exits
+reading its AOF (a rotten byte, a torn manifest) has the AOF moved aside, with one log
+line naming where, and starts empty; redis.conf is only rewritten when it changes, so a
+restart needs no free space; a start that fails anyway is :class:`EmbeddedNotStarted`,
+which the backend rides out answering misses while housekeeping tries again.
 
 Whoever answers on that socket decides which slot is served for which key, so the
 server must be ours: its socket lives in a directory only this user can enter (under
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import platform
 import shutil
@@ -37,7 +42,7 @@ from urllib.parse import quote
 
 import xxhash
 
-from sglang_tierstore.errors import EmbeddedRedisError
+from sglang_tierstore.errors import EmbeddedNotStarted, EmbeddedRedisError
 from sglang_tierstore.index import password_state, shutdown_unprotected
 from sglang_tierstore.perms import (
     PRIVATE,
@@ -45,9 +50,12 @@ from sglang_tierstore.perms import (
     check_owned_dir,
     own_dir,
     peer_uid,
+    read_secret,
     secret,
-    write_file,
+    write_changed,
 )
+
+logger = logging.getLogger(__name__)
 
 _SUN_PATH_MAX = 104  # sockaddr_un limit, with some margin
 
@@ -107,18 +115,27 @@ def redis_dir(path: str) -> str:
     return os.path.join(os.path.abspath(path), "redis")
 
 
-def socket_path(path: str) -> str:
+def socket_path(path: str, uid: Optional[int] = None) -> str:
     """The socket under the store directory, or, if that is too long for a socket, one
-    named after the directory in this user's own ``/tmp/tierstore-<uid>``."""
+    named after the directory in the own ``/tmp/tierstore-<uid>`` of the user running the
+    server (``uid``; default: this one)."""
     sock = os.path.join(redis_dir(path), "redis.sock")
     if len(sock) < _SUN_PATH_MAX:
         return sock
     digest = xxhash.xxh3_64_hexdigest(os.path.abspath(path).encode())
-    return os.path.join(f"/tmp/tierstore-{os.getuid()}", f"{digest}.sock")
+    return os.path.join(f"/tmp/tierstore-{os.getuid() if uid is None else uid}", f"{digest}.sock")
 
 
 def pid_file(path: str) -> str:
     return os.path.join(redis_dir(path), "redis.pid")
+
+
+def _log_file(d: str) -> str:
+    return os.path.join(d, "redis.log")
+
+
+AOF_DIR = "appendonlydir"  # Redis >= 7.0 and Valkey: the AOF's manifest, base and increments
+AOF_ASIDE = "appendonlydir.unreadable"  # where an AOF the server cannot load is moved
 
 
 def _server_file(d: str) -> str:
@@ -181,6 +198,27 @@ class Embedded(NamedTuple):
     started: bool  # by this call (so a start-up that fails later stops it again)
 
 
+def join_embedded_redis(path: str) -> Optional[str]:
+    """The URL of the embedded Redis of ``path`` if it is running (None if not), found as
+    it is, writing and starting nothing: for operators' tools run as the store's owner, as
+    root or as a member of a ``file_access: group`` store's group. EmbeddedRedisError if the
+    server on the socket is not run by the owner of the store's Redis directory."""
+    d = redis_dir(path)
+    try:
+        owner = os.stat(d).st_uid
+    except FileNotFoundError:
+        return None
+    sock = socket_path(path, owner)
+    try:
+        uid = peer_uid(sock)
+    except OSError:
+        return None
+    if uid != owner:
+        raise EmbeddedRedisError(f"tierstore: the embedded Redis socket {sock} is served by uid {uid}, not by uid "
+                                 f"{owner} who owns {d}; refusing to join it")
+    return _url(sock, read_secret(os.path.join(d, "secret"), owner))
+
+
 def ensure_embedded_redis(path: str, m: Modes, redis_server: Optional[str] = None, timeout_s: float = 30.0) -> Embedded:
     """Start or join the embedded redis-server for ``path``; ``redis_server`` is the binary
     to start it with (unset: see :func:`server_binary`)."""
@@ -196,49 +234,130 @@ def ensure_embedded_redis(path: str, m: Modes, redis_server: Optional[str] = Non
     if _ours(sock) and _takes(sock, password, d, timeout_s):
         return Embedded(_url(sock, password), False)
     binary = server_binary(redis_server, _last_server(d))
+    url = _url(sock, password)
     lock_fd = os.open(os.path.join(d, "start.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, m.file)
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_EX)
         if _ours(sock):
             if _takes(sock, password, d, timeout_s):
-                return Embedded(_url(sock, password), False)
+                return Embedded(url, False)
             _stop_unprotected(sock, timeout_s)
-        if os.path.lexists(sock):
-            os.unlink(sock)  # left by a redis-server that died
         conf = os.path.join(d, "redis.conf")
-        _write_conf(conf, m, password, {
-            "port": "0", "unixsocket": sock, "unixsocketperm": "700", "dir": d, "appendonly": "yes",
-            "save": '""', "daemonize": "yes", "pidfile": pid_file(path), "logfile": os.path.join(d, "redis.log"),
-        })
+        write_changed(conf, _conf(password, {
+            "port": "0", "unixsocket": sock, "unixsocketperm": "700" if m == PRIVATE else "770", "dir": d, "appendonly": "yes",
+            "save": '""', "daemonize": "yes", "pidfile": pid_file(path), "logfile": _log_file(d),
+        }), m)
         for name in os.listdir(d):  # files an earlier build left readable
             p = os.path.join(d, name)
             os.chmod(p, m.dir if os.path.isdir(p) else m.file)
         umask = 0o077 if m.dir == 0o700 else 0o027
-        _start(binary, conf, umask, password, timeout_s)
-        deadline = time.monotonic() + timeout_s
-        while not _ours(sock):
-            if time.monotonic() > deadline:
-                raise EmbeddedRedisError(
-                    f"tierstore: the embedded index ({binary}) did not listen on {sock} within {timeout_s}s; "
-                    f"see {d}/redis.log"
-                )
-            time.sleep(0.05)
-        write_file(_server_file(d), binary.encode(), m)
+        try:
+            _run(binary, conf, umask, password, path, timeout_s)
+        except _AofUnreadable as e:  # a cache's index is disposable: start empty
+            aside = os.path.join(d, AOF_ASIDE)
+            shutil.rmtree(aside, ignore_errors=True)  # one moved aside at most
+            os.rename(os.path.join(d, AOF_DIR), aside)
+            logger.warning("tierstore: the embedded index could not read its AOF (%s); moved it aside to %s and "
+                           "started an empty index (the store starts over, empty)", e, aside)
+            try:
+                _run(binary, conf, umask, password, path, timeout_s)
+            except _AofUnreadable as again:
+                raise EmbeddedNotStarted(f"tierstore: the embedded index exited reading a new AOF: {again}", "") from None
+        try:
+            write_changed(_server_file(d), binary.encode(), m)
+        except OSError as e:  # only a preference for the next start
+            logger.warning("tierstore: cannot record the embedded index's binary in %s (%s)", d, e.strerror)
+    except EmbeddedNotStarted as e:
+        raise EmbeddedNotStarted(str(e), url) from None
     finally:
         os.close(lock_fd)
-    return Embedded(_url(sock, password), True)
+    return Embedded(url, True)
+
+
+class _AofUnreadable(Exception):
+    """The server exited reading its AOF; the message is its log line saying why."""
+
+
+def _run(binary: str, conf: str, umask: int, password: str, path: str, timeout_s: float) -> None:
+    """Start the server and wait until it listens: EmbeddedNotStarted if it exits or does
+    not listen within ``timeout_s``, _AofUnreadable if it exited reading its AOF."""
+    d, sock, pid_at = redis_dir(path), socket_path(path), pid_file(path)
+    for stale in (sock, pid_at):  # left by a server that died
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(stale)
+    log_from = _size(_log_file(d))
+    _start(binary, conf, umask, password, timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while not _ours(sock):
+        if not _alive(pid_at):
+            said = _log_since(_log_file(d), log_from)
+            if os.path.isdir(os.path.join(d, AOF_DIR)) and any(w in said for w in ("AOF", "append only file")):
+                raise _AofUnreadable(_last_warning(said))
+            raise EmbeddedNotStarted(f"tierstore: the embedded index ({binary}) exited while starting: "
+                                     f"{_last_warning(said) or 'see ' + _log_file(d)}", "")
+        if time.monotonic() > deadline:
+            raise EmbeddedNotStarted(f"tierstore: the embedded index ({binary}) did not listen on {sock} within "
+                                     f"{timeout_s}s; see {_log_file(d)}", "")
+        time.sleep(0.05)
+
+
+def _alive(pid_at: str) -> bool:
+    """Whether the server whose pid file is ``pid_at`` runs (or has not written it yet).
+    A daemonized server that exited may be a zombie of an init that reaps slowly: on Linux
+    its state in /proc says so."""
+    try:
+        with open(pid_at) as f:
+            pid = int(f.read().strip())
+    except (FileNotFoundError, ValueError):
+        return True  # not written yet
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except FileNotFoundError:
+        return 0
+
+
+def _log_since(path: str, offset: int) -> str:
+    """What the server logged from ``offset`` on (bounded: its start-up only)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read(1 << 20).decode(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+def _last_warning(log: str) -> str:
+    """The last warning line (Redis marks them ``#``) without its pid and time stamp."""
+    lines = [ln.split(" # ", 1)[1] for ln in log.splitlines() if " # " in ln]
+    return lines[-1].strip() if lines else ""
 
 
 def _start(binary: str, conf: str, umask: int, password: str, timeout_s: float) -> None:
-    """Run ``binary conf`` (it daemonizes); on failure, an error with what it printed, the
-    password masked (a config error quotes the line at fault)."""
+    """Run ``binary conf`` (it daemonizes); on failure, EmbeddedNotStarted with what it
+    printed, the password masked (a config error quotes the line at fault)."""
     try:
         subprocess.run([binary, conf], check=True, capture_output=True, timeout=timeout_s,
                        preexec_fn=lambda: os.umask(umask))
     except (OSError, subprocess.SubprocessError) as e:
         out: bytes = getattr(e, "stderr", None) or getattr(e, "stdout", None) or b""
         said = out.decode(errors="replace").replace(password, "***").strip()
-        raise EmbeddedRedisError(f"tierstore: starting the embedded index failed: {e}{': ' + said if said else ''}") from e
+        raise EmbeddedNotStarted(f"tierstore: starting the embedded index failed: {e}{': ' + said if said else ''}",
+                                 "") from e
 
 
 def embedded_running(path: str) -> bool:
@@ -264,7 +383,7 @@ def stop_embedded_redis(path: str, timeout_s: float = 30.0) -> None:
         time.sleep(0.05)
 
 
-def _write_conf(path: str, m: Modes, password: str, settings: dict[str, str]) -> None:
+def _conf(password: str, settings: dict[str, str]) -> bytes:
     """redis.conf with the password (never on a command line, where ``ps`` shows it)."""
     lines = [f"{k} {v}" for k, v in settings.items()] + [f"requirepass {password}"]
-    write_file(path, ("\n".join(lines) + "\n").encode(), m)
+    return ("\n".join(lines) + "\n").encode()

@@ -50,7 +50,17 @@ class PageIOError(TierStoreError, OSError):
 
 
 class EmbeddedRedisError(TierStoreError, RuntimeError):
-    """The embedded redis-server cannot be started."""
+    """The embedded redis-server cannot be used as configured (no binary to run, a socket
+    served by another user, a server wanting another password)."""
+
+
+class EmbeddedNotStarted(EmbeddedRedisError):
+    """Starting the embedded redis-server failed this time (it exited, or did not listen
+    in time): the backend comes up answering misses on ``url`` and tries again."""
+
+    def __init__(self, msg: str, url: str) -> None:
+        super().__init__(msg)
+        self.url = url  # with the password: never log it
 
 
 class StoreDetached(TierStoreError, RuntimeError):

@@ -30,7 +30,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from sglang_tierstore.errors import IndexUnavailable, StoreDetached, TierStoreError
+from sglang_tierstore.config import redact_url
+from sglang_tierstore.errors import ConfigError, IndexRefusesWrites, IndexUnavailable, StoreDetached, TierStoreError
 from sglang_tierstore.perms import TlsFiles
 from sglang_tierstore.schema import STALE, key_globs
 
@@ -41,7 +42,7 @@ T = TypeVar("T")
 # scripts/index_memory.py against an embedded Redis.
 ACL_COMMANDS = (
     "fcall", "function|load", "evalsha", "script|load", "multi", "exec", "exists", "unlink", "scan",
-    "hexists", "hget", "hmget", "hgetall", "hlen", "hscan", "hset", "hsetnx", "hincrby", "hdel",
+    "hexists", "hget", "hmget", "hgetall", "hvals", "hlen", "hscan", "hset", "hsetnx", "hincrby", "hdel",
     "zadd", "zcard", "zrange", "zrangebyscore", "zscore", "zrem",
 )
 
@@ -58,7 +59,11 @@ def acl_rule(prefix: str) -> str:
 # Redis 7.0 answers a command a script calls that its caller may not run with a plain
 # error starting so (7.2 and later answer NOPERM, which redis-py raises as NoPermissionError).
 _SCRIPT_DENIED = "The user executing the script "
-_NOT_SERVING = ("LOADING", "BUSY", "MASTERDOWN", "OOM", "READONLY", "NOREPLICAS", "TRYAGAIN", "CLUSTERDOWN")
+# Replies of a server that cannot serve now (redis-py strips the codes it maps to classes).
+_NOT_SERVING = (redis.exceptions.MasterDownError, redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError)
+_BUSY = "BUSY"  # a script or function running too long
+# Replies of a server that reads but refuses writes: a replica, a persistence error, too few replicas.
+_READ_ONLY = ("MISCONF", "NOREPLICAS")
 
 
 def password_state(url: str, password: str, timeout_s: float) -> str:
@@ -154,6 +159,7 @@ class RedisIndex:
         tls: Optional[TlsFiles] = None,
     ) -> None:
         self.retry_s = retry_s
+        self._url = url
         self._clock = clock
         self._down_until = 0.0
         self._down_lock = threading.Lock()
@@ -199,9 +205,17 @@ class RedisIndex:
                                      "sglang_tierstore.index.acl_rule(redis_prefix)") from e
             if msg.startswith(STALE):
                 raise StoreDetached("the store is not in the index any more (dropped, or the index was lost)") from e
-            if msg.startswith(_NOT_SERVING):
+            if isinstance(e, redis.exceptions.OutOfMemoryError):  # reads go on: no breaker
+                raise IndexRefusesWrites(f"the index is full (maxmemory, noeviction): writes refused: {msg}",
+                                         "index_full") from e
+            if isinstance(e, redis.exceptions.ReadOnlyError) or msg.startswith(_READ_ONLY):
+                raise IndexRefusesWrites(f"the index refuses writes: {msg}", "index_read_only") from e
+            if isinstance(e, _NOT_SERVING) or msg.startswith(_BUSY):
                 self._trip()
                 raise IndexUnavailable(f"redis not serving: {msg}") from e
+            if "DB index is out of range" in msg:
+                raise ConfigError(f"tierstore config key 'redis_url': {redact_url(self._url)} names a database the "
+                                  f"server does not have ({msg})") from e
             raise TierStoreError(f"redis error: {msg}") from e
         finally:
             if self._closed:  # closed while this call ran: the connection it used (or opened) goes too

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import pwd
 import secrets
@@ -28,6 +29,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from sglang_tierstore.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,10 +112,16 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
+FULL = (errno.ENOSPC, errno.EDQUOT)  # a full disk or quota: a passing condition, not a configuration's
+
+
 def check_dirs(paths: Sequence[str], m: Modes) -> list[str]:
     """Every directory in ``paths`` exists or can be created, and takes a written, synced and
-    removed probe file; or ConfigError naming the directory, with whatever this created
-    removed again. Returns the directories it created (see :func:`remove_created`)."""
+    removed probe file; or ConfigError naming the directory (and, for one this process may
+    not write, who owns it), with whatever this created removed again. A directory whose
+    filesystem is full is not an error (the store comes up serving what it has, and writes
+    once there is room): one log line says so. Returns the directories it created (see
+    :func:`remove_created`)."""
     created: list[str] = []
     try:
         for path in paths:
@@ -120,8 +129,13 @@ def check_dirs(paths: Sequence[str], m: Modes) -> list[str]:
                 make_dir(path, m, created)
                 _probe(os.path.abspath(path), m)
             except OSError as e:
+                if e.errno in FULL and os.path.isdir(path):
+                    logger.warning("tierstore: %s is full (%s): serving what is stored, writes fail until there "
+                                   "is room", path, e.strerror)
+                    continue
+                owner = f"; {describe_owner(path)}" if isinstance(e, PermissionError) else ""
                 raise ConfigError(
-                    f"tierstore config key 'path': {path!r} is not a writable directory ({e.strerror or e})"
+                    f"tierstore config key 'path': {path!r} is not a writable directory ({e.strerror or e}{owner})"
                 ) from None
     except ConfigError:
         remove_created(created)
@@ -165,16 +179,33 @@ def _probe(d: str, m: Modes) -> None:
         os.unlink(probe)
 
 
+def write_changed(path: str, data: bytes, m: Modes) -> bool:
+    """``path`` holding ``data`` with mode ``m.file``, written (as :func:`write_file` does)
+    only when it holds something else: a restart on a full disk needs no space for files
+    that are already right. Whether it wrote."""
+    with contextlib.suppress(FileNotFoundError), open(path, "rb") as f:
+        if f.read() == data:
+            os.fchmod(f.fileno(), m.file)
+            return False
+    return write_file(path, data, m)
+
+
 def secret(path: str, m: Modes) -> str:
     """The secret kept in ``path`` (created with a fresh random value if missing). A file
     readable by anyone but its owner (and, with group access, the group) is refused. Ranks
     starting together all read the one value that got there first, never a part of it."""
     if not os.path.exists(path):
         write_file(path, secrets.token_hex(32).encode(), m, replace=False)
-    st = os.stat(path)
-    if st.st_uid != os.getuid() or st.st_mode & 0o777 & ~m.file:
-        raise ConfigError(f"tierstore: {path} must be owned by uid {os.getuid()} with mode {m.file:o} or stricter")
+    return read_secret(path, os.getuid(), m.file)
+
+
+def read_secret(path: str, owner: int, mode: int = GROUP.file) -> str:
+    """The secret in ``path``, which must be ``owner``'s and open to no one beyond ``mode``
+    allows: ConfigError otherwise (never the value)."""
     with open(path) as f:
+        st = os.fstat(f.fileno())
+        if st.st_uid != owner or st.st_mode & 0o777 & ~mode:
+            raise ConfigError(f"tierstore: {path} must be owned by uid {owner} with mode {mode:o} or stricter")
         value = f.read().strip()
     if len(value) < 32:
         raise ConfigError(f"tierstore: {path} does not hold a secret (expected 64 hex characters)")

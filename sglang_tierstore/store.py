@@ -208,7 +208,10 @@ class TierStore:
         return ns
 
     def _register_all(self, a: Attachment) -> None:
-        self._register(a, list(self._namespaces.values()))
+        try:
+            self._register(a, list(self._namespaces.values()))
+        except StoreUnavailable as e:  # they are for operators: registered again with the next namespace
+            self.log.warning(e.kind, "recording the namespaces in the index failed: %s", e)
 
     def _register(self, a: Attachment, namespaces: Sequence[Namespace]) -> None:
         if namespaces:
