@@ -370,6 +370,47 @@ class Worker:
     killed: bool = False
 
 
+PHASES = ("warm-up", "steady", "capacity cut", "index restart")
+
+
+class Phases:
+    """Where the pages not stored went wrong, by phase of the run: ``warm-up`` until the
+    store first evicts (it is full), ``capacity cut`` while capacity is lowered and for
+    ``lease_s`` after it is back (regions drain while writers hold slots there), ``index
+    restart`` for the samples that cover a Redis kill, ``steady`` the rest. Sampled about
+    every second from the workers' reports (counts a killed worker had not reported yet
+    are lost, as everywhere in this run)."""
+
+    FIELDS = ("pages_stored", "pages_not_stored", "write_full")
+
+    def __init__(self) -> None:
+        self.totals = {p: Counter[str]() for p in PHASES}
+        self.seconds: Counter[str] = Counter()
+        self._last: Counter[str] = Counter()
+        self._at = time.time()
+
+    def sample(self, phase: str, counts: Counter[str], metrics: Counter[str]) -> None:
+        now = {"pages_stored": counts["pages_stored"], "pages_not_stored": counts["pages_not_stored"],
+               "write_full": metrics["write_full"]}
+        for k in self.FIELDS:
+            self.totals[phase][k] += max(0, now[k] - self._last[k])
+        self._last = Counter(now)
+        t = time.time()
+        self.seconds[phase] += t - self._at
+        self._at = t
+
+    def summary(self) -> dict[str, dict[str, Any]]:
+        out = {}
+        for p in PHASES:
+            c = self.totals[p]
+            offered = c["pages_stored"] + c["pages_not_stored"]
+            out[p] = {"seconds": round(self.seconds[p], 1), "pages_offered": offered,
+                      "not_stored": c["pages_not_stored"], "no_slot": c["write_full"],
+                      "other": max(0, c["pages_not_stored"] - c["write_full"]),
+                      "no_slot_share": round(c["write_full"] / offered, 5) if offered else None}
+        return out
+
+
 class Run:
     """Starts and restarts workers, injects faults, gathers reports, checks the store."""
 
@@ -399,6 +440,9 @@ class Run:
         self.means = {k: v for k, v in means.items() if v > 0}
         self.next_at: dict[str, float] = {}
         self.capacity_back_at = 0.0
+        self.cut_settled_at = 0.0  # a cut's effects (regions draining) last until then
+        self.restarted = False  # a Redis restart since the last sample
+        self.phases = Phases()
 
     # workers
 
@@ -445,6 +489,7 @@ class Run:
         assert self.redis is not None
         self.redis.kill()
         self.faults["redis_kills"] += 1
+        self.restarted = True
         time.sleep(self.rnd.uniform(0.2, 3.0))
         self.redis.start()
         listening = time.monotonic()
@@ -512,6 +557,7 @@ class Run:
         now = time.time()
         if self.capacity_back_at and now >= self.capacity_back_at and self.set_capacity(self.capacity):
             self.capacity_back_at = 0.0
+            self.cut_settled_at = time.time() + self.a.lease_s
         inject = {"kill": self.kill_worker, "redis": self.restart_redis, "flip": self.flip, "capacity": self.lower_capacity}
         for fault, at in list(self.next_at.items()):
             if now >= at:
@@ -551,15 +597,28 @@ class Run:
         self.next_at = {f: start + self.rnd.expovariate(1 / m) for f, m in self.means.items()}
         with tqdm(total=self.a.seconds, unit="s", file=sys.stderr, mininterval=1 if sys.stderr.isatty() else 30,
                   bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f}s {postfix}") as bar:
-            shown = 0.0
+            shown = sampled = 0.0
             while time.time() < self.end_at:
                 self.reap()
                 self.inject()
                 time.sleep(0.1)
+                if time.time() - sampled >= 1:
+                    sampled = time.time()
+                    counts, metrics, _, _ = self.totals()
+                    self.phases.sample(self.phase(metrics), counts, metrics)
                 bar.update(min(self.a.seconds, time.time() - start) - bar.n)
                 if time.time() - shown >= 5:
                     shown = time.time()
                     bar.set_postfix_str(self.progress())
+
+    def phase(self, metrics: Counter[str]) -> str:
+        """The phase the last second belongs to (see :class:`Phases`)."""
+        if self.restarted:
+            self.restarted = False
+            return "index restart"
+        if self.capacity_back_at or time.time() < self.cut_settled_at:
+            return "capacity cut"
+        return "steady" if metrics["evicted"] else "warm-up"
 
     def progress(self) -> str:
         counts = self.totals()[0]
@@ -657,6 +716,7 @@ def summarize(run: Run, final: dict[str, Any], seconds: float) -> dict[str, Any]
         "redis_restarts": {"loading_s": spread(run.redis_loading_s), "store_back_s": spread(run.redis_recovery_s),
                            "bound_s": 2 * run.a.redis_retry_s},
         "scrub": {"present": counts["scrub_present"], "verified": counts["scrub_hits"]},
+        "not_stored_by_phase": run.phases.summary(),
         "failures": failures,
         "ok": not any(failures.values()),
         "wrong_samples": wrong[:SAMPLES],
@@ -682,6 +742,9 @@ def table(s: dict[str, Any]) -> str:
                            f"({s['store_metrics'].get('write_full', 0):,} of them finding no slot: every region "
                            "pinned by writers' stocks or draining)")),
         ("pages read", f"{pages['hits']:,} hits (each verified byte for byte), {pages['misses']:,} misses"),
+        *((f"  {p}", (f"{x['seconds']:.0f} s: {x['pages_offered']:,} pages offered, {x['no_slot']:,} finding no slot "
+                      f"({100 * (x['no_slot_share'] or 0):.2f}%), {x['other']:,} not stored otherwise"))
+          for p, x in s["not_stored_by_phase"].items()),
         ("evictions", f"{s['evicted_regions']:,} regions, {s['evicted_pages']:,} pages"),
         ("faults", (f"{f['worker_kills']} worker kill -9s ({f['worker_kills_mid_call']} mid-call, "
                     f"{f['worker_kills_mid_write']} mid-write), {f['redis_kills']} Redis kill -9s and restarts, "

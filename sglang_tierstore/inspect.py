@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 from sglang_tierstore.config import TierStoreConfig, redact_url
-from sglang_tierstore.embedded import embedded_running, ensure_embedded_redis, socket_path
+from sglang_tierstore.embedded import ensure_embedded_redis, join_embedded_redis, socket_path
 from sglang_tierstore.errors import IndexUnavailable, NoStore, PageIOError, TierStoreError
 from sglang_tierstore.pagefile import FileRef, checksum
 from sglang_tierstore.schema import (
@@ -61,7 +61,7 @@ from sglang_tierstore.store import Namespace, TierStore
 
 ZERO = b"\0" * FIELD_BYTES
 COUNTS = ("capacity_regions", "allocated_regions", "regions", "used_regions", "free_regions", "hole_regions",
-          "punch_regions", "draining_regions", "leases", "files", "next_file")
+          "punch_regions", "draining_regions", "leases", "files", "next_file", "pinned_regions")
 
 
 # -- queries --------------------------------------------------------------------------
@@ -200,10 +200,13 @@ def index_url(cfg: TierStoreConfig, start_redis: bool) -> tuple[str, bool]:
     if cfg.redis_url is not None:
         return cfg.redis_url, False
     path = cfg.path[0]
-    if not start_redis and not embedded_running(path):
+    if start_redis:
+        return ensure_embedded_redis(path, modes(cfg.file_access), cfg.redis_server).url, True
+    url = join_embedded_redis(path)
+    if url is None:
         raise TierStoreError(f"the embedded Redis of {path} is not running (socket {socket_path(path)}); "
                              "start it with `tierstore redis start`, or pass --start-redis")
-    return ensure_embedded_redis(path, modes(cfg.file_access), cfg.redis_server).url, True
+    return url, True
 
 
 def open_store(cfg: TierStoreConfig, start_redis: bool) -> Opened:
@@ -234,15 +237,19 @@ def check(store: TierStore, fix: bool = False, verify_pages: bool = True, chunk:
     ns_pages = {bytes.fromhex(k): pb for k, (pb, _) in store.namespaces().items()}
     problems: list[str] = []
     for shard in range(a.geometry.shards):
-        problems += _counts(store, a, shard)
-        problems += _regions(store, a, shard, chunk, fix)
+        before = counts(store, a, shard)
+        problems += _counts(shard, before)
+        found, pinned = _regions(store, a, shard, chunk, fix)
+        problems += found
+        after = counts(store, a, shard)["pinned_regions"]
+        if before["pinned_regions"] == after >= 0 and pinned != after:  # a count steady across the scan
+            problems.append(f"shard {shard}: {after} regions counted with leased slots, {pinned} have them")
         problems += _entries(store, a, shard, chunk, ns_pages, verify_pages, fix)
     problems += _files(a)
     return problems
 
 
-def _counts(store: TierStore, a: Attachment, shard: int) -> list[str]:
-    c = counts(store, a, shard)
+def _counts(shard: int, c: dict[str, int]) -> list[str]:
     out = []
     states = c["used_regions"] + c["free_regions"] + c["hole_regions"] + c["punch_regions"] + c["draining_regions"]
     if c["regions"] != states:
@@ -265,8 +272,10 @@ def _leased(lease_table: dict[bytes, bytes]) -> dict[int, list[tuple[bytes, Leas
     return out
 
 
-def _regions(store: TierStore, a: Attachment, shard: int, chunk: int, fix: bool) -> list[str]:
+def _regions(store: TierStore, a: Attachment, shard: int, chunk: int, fix: bool) -> tuple[list[str], int]:
+    """Problems of a shard's regions, and how many regions hold leased slots."""
     g = a.geometry
+    pinned = 0
     keys = a.shard_keys(shard)
     out: list[str] = []
     dangling: list[tuple[int, int, bytes]] = []
@@ -287,9 +296,10 @@ def _regions(store: TierStore, a: Attachment, shard: int, chunk: int, fix: bool)
         leased = _leased(dict(zip(flat[::2], flat[1::2])))
         for view in views:
             out += _region_problems(g, view, leased.get(view[0], []), dangling)
+            pinned += len(view[1]) == REGION.size and unpack_region(view[1]).leased > 0
     if fix and dangling:
         unlink_members(store, a, shard, sorted(set(dangling)))  # HSCAN may return a region twice
-    return out
+    return out, pinned
 
 
 def unlink_members(store: TierStore, a: Attachment, shard: int, members: list[tuple[int, int, bytes]]) -> int:

@@ -76,7 +76,7 @@ RANGE_SEP, RANGES_SEP = ":", ","
 NS_PAGE_BYTES, NS_SEP = "page_bytes=", ";"
 
 # A shard's conf hash, as a new shard starts it (Lua reads these fields by name).
-CONF_FIELDS = ("store", "cap", "alloc", "rb", "rpf", "shards", "next_file", "uid", "creating")
+CONF_FIELDS = ("store", "cap", "alloc", "rb", "rpf", "shards", "next_file", "uid", "creating", "pinned")
 
 # What a commit says of each page, and the flags of a lease or commit reply.
 NOT_STORED, STORED, EXISTS = 0, 1, 2

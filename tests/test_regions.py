@@ -4,13 +4,17 @@ shrinks on demand (disk space returned), and any capacity from a few MiB up work
 from __future__ import annotations
 
 import logging
+import os
 import random
+import uuid
 import threading
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 from conftest import page_files_bytes
+from mounts import mounted
 from pools import fill, keys, mha_pool, page_bytes, page_indices, storage_config
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 
@@ -121,7 +125,7 @@ def test_hybrid_kv_and_side_pool_under_capacity_pressure(extra: dict[str, Any]) 
 
 
 def test_lowering_capacity_while_traffic_runs_returns_disk_space(extra: dict[str, Any]) -> None:
-    cfg = {**extra, "capacity_gb": 8 * MiB / GiB, "housekeeping_s": 3600}  # passes run here, between batches
+    cfg = {**extra, "capacity_gb": 8 * MiB / GiB, "housekeeping_s": 3600, "lease_s": 4 * 3600}  # passes run here, between batches
     pool = mha_pool("page_first_direct", **A_POOL)
     fill(pool, 7)
     errors: list[str] = []
@@ -288,3 +292,42 @@ def test_pages_larger_than_an_existing_stores_regions_are_a_clear_error(extra: d
                                               r"regions and needs at least 4 of them: capacity_gb 0.0078125 or more"):
             be.register_mem_pool_host(big)
 
+
+
+def page_files_size(path: str) -> int:
+    """The page files' apparent size: what a filesystem without holes keeps on disk."""
+    return sum(os.path.getsize(os.path.join(root, n)) for root, _, names in os.walk(path)
+               for n in names if n.endswith(".pages"))
+
+
+def test_capacity_bounds_the_files_where_holes_cannot_be_punched(tmp_path: Path, redis_proc: Any) -> None:
+    """ramfs cannot punch holes (FALLOC_FL_PUNCH_HOLE answers EOPNOTSUPP, as on NFSv3 and
+    many FUSE filesystems): a 16 MiB store cut to 4 MiB and raised back, twice, keeps its
+    page files at 16 MiB, the regions taken out reused in place (before the fix its files
+    grew 16 -> 28 -> 40 MiB, with the cut regions queued to punch forever)."""
+    with mounted(tmp_path / "ramfs", "ramfs") as disk:
+        cfg = {"redis_url": redis_proc.url, "redis_prefix": "nopunch-" + uuid.uuid4().hex[:8],
+               "path": str(disk / "store"), "capacity_gb": 16 * MiB / GiB, "interface_v1": 1}
+        pool = mha_pool("page_first_direct", **A_POOL)
+        fill(pool, 5)
+        with TierStoreBackend(storage_config(cfg), {}) as be:
+            be.register_mem_pool_host(pool)
+            sizes = []
+            for turn in range(3):
+                assert all(all(r) for r in write_batches(be, f"t{turn}", 320, 32))  # 20 MiB of 64 KiB pages
+                assert readable(be, pool, f"t{turn}", 288, 32)
+                sizes.append(page_files_size(cfg["path"]))
+                if turn == 2:
+                    break
+                be.store.space.set_capacity(4 * MiB)
+                for _ in range(20):
+                    be.store.space.housekeeping.run_once()
+                    u = inspect.usage(be.store)
+                    if u["allocated_bytes"] <= 4 * MiB and u["punch_regions"] == 0:
+                        break
+                else:
+                    raise AssertionError(inspect.usage(be.store))
+                be.store.space.set_capacity(16 * MiB)
+            assert sizes[0] <= 16 * MiB + 64 * 1024 and sizes == sizes[:1] * 3  # capacity and the files' headers
+            assert inspect.usage(be.store)["punch_regions"] == 0
+            assert be.check() == []

@@ -176,12 +176,14 @@ class Attachment:
 
     def __init__(self, home: Home, index: RedisIndex, cfg: TierStoreConfig, modes: Modes, token: str,
                  clock: Callable[[], float], metrics: Metrics, log: RateLimitedLog, page_files: Type[PageFiles],
-                 read_only: bool = False) -> None:
+                 read_only: bool = False, on_use: Callable[[], None] = lambda: None) -> None:
+        """``on_use`` is called with every batch read or written (housekeeping wakes)."""
         self.home = home
+        self.on_use = on_use
         self.geometry: Geometry = home.geometry
         self.tag = home.tag
         self.index = index
-        self.capacity = cfg.capacity_bytes  # the store's, until a reply from the index tells
+        self.capacity = home.capacity  # the store's; replies from the index keep it current
         self.clock = clock
         self.metrics = metrics
         self.log = log
@@ -206,6 +208,7 @@ class Attachment:
         """Slots for a batch of pages of this size (``with a.reserve(...) as r:``),
         leased, consecutive where the stock is: a page file is added where no region is
         left without one, and fresh regions get their disk space, here."""
+        self.on_use()
         return Reservation(self, page_bytes, fields)
 
     def fill_stock(self, page_bytes: int, need: Mapping[int, int]) -> None:
@@ -238,6 +241,7 @@ class Attachment:
     def touch(self, regions: Iterable[int]) -> None:
         """These regions were just used: their recency goes to the index with the next
         housekeeping pass (one ZADD XX GT per shard)."""
+        self.on_use()
         now = self.clock()
         g = self.geometry
         with self._lock:
@@ -299,6 +303,7 @@ class Space:
         self.clock = clock
         self.observe = observe
         self.housekeeping = Housekeeper(self)
+        self.activity = 0  # batches read or written (housekeeping backs off while it stays put)
         self.largest_page: Optional[int] = None  # of this process's namespaces: what a new store is created for
         self._token = token
         self._page_files = page_files
@@ -309,6 +314,11 @@ class Space:
         self._retry_at = -float("inf")  # after an attach that could not be done, when to try again
         self._why, self._kind = "", ""
         self._listeners: list[Callable[[Attachment], None]] = []
+
+    def used(self) -> None:
+        """A batch was read or written."""
+        self.activity += 1
+        self.housekeeping.wake()
 
     def on_attach(self, fn: Callable[[Attachment], None]) -> None:
         """Call ``fn`` with every new attachment (the store registers its namespaces)."""
@@ -341,7 +351,7 @@ class Space:
     def _attach(self) -> Attachment:
         """Caller holds the lock."""
         cfg = self.cfg
-        if mod_time.monotonic() < self._retry_at:
+        if self.clock() < self._retry_at:
             raise _not_attached(self._why, self._kind)
         try:
             if self.observe:
@@ -352,12 +362,12 @@ class Space:
         except NoStoreYet:
             raise  # no waiting: another process may create it any moment
         except StoreUnavailable as e:
-            self._retry_at = mod_time.monotonic() + cfg.redis_retry_s
+            self._retry_at = self.clock() + cfg.redis_retry_s
             self._why, self._kind = str(e), e.kind
             raise
         self._first = False
         a = Attachment(home, self.index, cfg, self.modes, self._token, self.clock, self.metrics, self.log,
-                       self._page_files, read_only=self.observe)
+                       self._page_files, read_only=self.observe, on_use=self.used)
         for fn in self._listeners:
             fn(a)
         return a

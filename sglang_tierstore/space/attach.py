@@ -95,6 +95,7 @@ class Home:
     dirs: dict[str, str]  # directory id -> the store's page directory in it
     tag: str  # the hash tag of its keys (schema.store_tag)
     entry_key: bytes  # the store's key for entry tags (:mod:`sglang_tierstore.tags`)
+    capacity: int  # the store's capacity when joined (bytes); replies from the index keep it current
 
     def shard_keys(self, shard: int) -> list[str]:
         """Every key of a shard, in the order its functions take them."""
@@ -175,7 +176,8 @@ def observe(index: RedisIndex, prefix: str, paths: Sequence[str]) -> Home:
         raise NoStore(f"store {store_id} (prefix {prefix!r}) is in format {meta.get('format', '?')}; this build "
                       f"reads format {FORMAT} (a server of this build drops and re-creates it at start-up)")
     dirs = {m["dir"]: store_dir(p, prefix, store_id) for p, m in zip(paths, markers) if m and m["store"] == store_id}
-    return Home(prefix, _geometry(store_id, meta), dirs, store_tag(prefix, store_id), read_key(list(dirs.values())))
+    return Home(prefix, _geometry(store_id, meta), dirs, store_tag(prefix, store_id), read_key(list(dirs.values())),
+                int(meta["capacity"]))
 
 
 def drop_legacy(index: RedisIndex, prefix: str, paths: Sequence[str]) -> bool:
@@ -298,7 +300,7 @@ def _attach_locked(index: RedisIndex, prefix: str, paths: Sequence[str], capacit
         report_dirs(index, tag, dirs, now)
     except IndexRefusesWrites as e:  # a hint for retiring directories: the next audit reports again
         logger.warning("tierstore: reporting this process's directories failed (%s); the next audit does", e)
-    return Home(prefix, geometry, dirs, tag, entry_key)
+    return Home(prefix, geometry, dirs, tag, entry_key, int(meta["capacity"]))
 
 
 def set_capacity(index: RedisIndex, tag: str, geometry: Geometry, capacity: int) -> None:
@@ -337,4 +339,4 @@ def forget_dir(index: RedisIndex, tag: str, dir_id: str) -> None:
 def shard_conf(geometry: Geometry, shard: int, capacity: int) -> dict[str, object]:
     """A new shard's conf hash (``schema.CONF_FIELDS``)."""
     return dict(zip(CONF_FIELDS, (geometry.store_id, geometry.capacity_share(capacity, shard), 0, geometry.region_bytes,
-                                  geometry.regions_per_file, geometry.shards, shard, 0, 0)))
+                                  geometry.regions_per_file, geometry.shards, shard, 0, 0, 0)))

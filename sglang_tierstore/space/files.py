@@ -17,6 +17,7 @@ forgets directories no process has reported for ``10 * lease_s``.
 
 from __future__ import annotations
 
+import errno
 import threading
 from typing import Callable, Iterable, Optional
 
@@ -28,6 +29,8 @@ from sglang_tierstore.schema import CREATING, LOST, READY, FileRecord, parse_fil
 from sglang_tierstore.space import attach
 from sglang_tierstore.space.attach import Home
 from sglang_tierstore.space.leases import Leases
+
+_CANNOT_PUNCH = (errno.EOPNOTSUPP, errno.ENOSYS)  # the filesystem has no FALLOC_FL_PUNCH_HOLE
 
 
 class Files:
@@ -45,6 +48,10 @@ class Files:
         self.dirs = ",".join(home.dirs)
         self._records: dict[int, FileRecord] = {}
         self._lost: dict[int, str] = {}  # file number -> uid: to be forgotten by housekeeping
+        self._no_punch: set[str] = set()  # directories whose filesystem cannot punch holes
+        shards = home.geometry.shards
+        self._adding = [threading.Lock() for _ in range(shards)]  # one file added at a time per shard
+        self._added = [0] * shards
         self._lock = threading.Lock()
 
     # -- records -----------------------------------------------------------------------
@@ -74,7 +81,17 @@ class Files:
     # -- a file's life -----------------------------------------------------------------
 
     def add(self, shard: int) -> None:
-        """A new page file for a shard that has no region left without one."""
+        """A new page file for a shard that has no region left without one; none if
+        another thread of this process added one for it meanwhile (writers that all found
+        the shard full at once then lease again, rather than each adding a file)."""
+        seen = self._added[shard]
+        with self._adding[shard]:  # writers only: never an I/O thread
+            if self._added[shard] != seen:
+                return
+            self._added[shard] += 1
+            self._add(shard)
+
+    def _add(self, shard: int) -> None:
         f, dir_id, uid = self.index.call("add_file", self.home.shard_keys(shard),
                                          [self.home.geometry.store_id, repr(self.clock()), self.dirs])
         ref = FileRef(int(f), _text(dir_id), _text(uid))
@@ -105,19 +122,31 @@ class Files:
                 self.failure("allocate", g.file_of(r), e)
 
     def punch(self, regions: Iterable[int]) -> list[int]:
-        """Return holes' disk space; the regions punched (the rest stay queued, tried
-        again by the next pass)."""
+        """Return holes' disk space; the regions done (the rest stay queued, tried again
+        by the next pass). In a directory whose filesystem cannot punch holes (found once:
+        ramfs, NFSv3, many FUSE filesystems) a region counts as done as it is: the space
+        stays in its file, to be reused before any file grows, so the files never hold
+        more than capacity and the regions queued to punch."""
         g = self.home.geometry
         done = []
         for r in regions:
             ref = self.ref(g.file_of(r))
             if ref is None:
                 continue
+            if ref.dir_id in self._no_punch:
+                done.append(r)
+                continue
             try:
                 self.pages.punch(ref, g.region_offset(r), g.region_bytes)
                 done.append(r)
             except PageIOError as e:
-                self.failure("punch", ref.number, e)
+                if e.errno not in _CANNOT_PUNCH:
+                    self.failure("punch", ref.number, e)
+                    continue
+                self._no_punch.add(ref.dir_id)
+                self.log.warning("punch", "%s; regions taken out there keep their disk space and are reused in "
+                                 "place", e)
+                done.append(r)
         return done
 
     def current(self, number: int) -> bool:

@@ -10,7 +10,10 @@ leases; a pass repeats them while they do that much. Eviction moves index entrie
 never waits on a file, so no single bad file can wedge it.
 
 A pass with nothing to do costs one ``sweep`` call per shard (and the audit's reads
-every ``audit_s``). Tests drive :meth:`Housekeeper.run_once` with an injected clock.
+every ``audit_s``); after one, the thread waits twice as long, up to ``idle_max_s`` (5 s,
+or ``lease_s / 4``), until pages are read or written again (:meth:`Housekeeper.wake`),
+so an idle store costs next to nothing whatever ``housekeeping_s`` is. Tests drive
+:meth:`Housekeeper.run_once` with an injected clock.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ if TYPE_CHECKING:
     from sglang_tierstore.space import Attachment, Space
 
 MAX_WORK = 256  # regions or leases handled per shard and call: bounds each call
+IDLE_MAX_S = 5.0  # the longest wait between passes of an idle store (see Housekeeper.idle_max_s)
 DIR_RETIRE_LEASES = 10  # a directory no process reported for this many lease_s is forgotten
 
 
@@ -35,6 +39,10 @@ class Housekeeper:
         self.space = space
         self._on_index_down: Optional[Callable[[], None]] = None
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set by stop() and wake()
+        self._backing_off = False  # idle: waits grow from housekeeping_s to idle_max_s
+        self._activity = 0  # the space's activity count at the last pass
+        self._draining = False
         self._thread: Optional[threading.Thread] = None
         self._next_audit = 0.0
 
@@ -42,11 +50,13 @@ class Housekeeper:
     def audit_s(self) -> float:
         return min(5.0, self.space.cfg.lease_s / 2)
 
-    def run_once(self, audit: Optional[bool] = None) -> None:
+    def run_once(self, audit: Optional[bool] = None) -> bool:
         """One pass; ``audit`` forces (True) or skips (False) the file audit. Index
-        trouble ends the pass (logged); nothing raises."""
+        trouble ends the pass (logged); nothing raises. Whether there was anything to do
+        (pages read or written since the last pass, work done, or trouble)."""
         space = self.space
         a: Optional["Attachment"] = None
+        seen = space.activity
         try:
             a = space.attached()
             a.flush_touches()
@@ -55,11 +65,13 @@ class Housekeeper:
                 self._next_audit = now + self.audit_s
                 a.files.audit(DIR_RETIRE_LEASES * space.cfg.lease_s)
             a.files.forget_lost(MAX_WORK)
-            while self.sweep(a) >= MAX_WORK:
-                pass  # shrinking a lot at once: keep going, a bounded call at a time
+            work = self.sweep(a)
+            while work >= MAX_WORK:  # shrinking a lot at once: keep going, a bounded call at a time
+                work = self.sweep(a)
+            return work > 0 or space.activity != self._activity or self._draining
         except StoreUnavailable as e:  # the index down, full or read-only, the disk full, no store yet
             if e.kind == NoStoreYet.kind:
-                return  # nothing to keep yet
+                return False  # nothing to keep yet
             space.log.warning("housekeeping", "housekeeping skipped: %s", e)
             if e.kind == IndexUnavailable.kind and self._on_index_down is not None:
                 self._on_index_down()
@@ -68,6 +80,22 @@ class Housekeeper:
         except TierStoreError as e:
             space.metrics.error("housekeeping")
             space.log.warning("housekeeping", "housekeeping failed: %s", e)
+        finally:
+            self._activity = seen
+        return True
+
+    @property
+    def idle_max_s(self) -> float:
+        """The longest wait between passes of an idle store: leases are renewed well
+        within their term, and a capacity change reaches every process within seconds."""
+        cfg = self.space.cfg
+        return max(cfg.housekeeping_s, min(IDLE_MAX_S, cfg.lease_s / 4))
+
+    def wake(self) -> None:
+        """Pages are being read or written: an idle-backed-off thread runs a pass now."""
+        if self._backing_off:
+            self._backing_off = False
+            self._wake.set()
 
     def sweep(self, a: "Attachment") -> int:
         """One sweep call per shard; the regions and leases handled in all."""
@@ -91,17 +119,27 @@ class Housekeeper:
                                                                                [g.store_id, *punched])))
             draining += drain
             work += expired + evicted + len(punched)
+        self._draining = draining > 0
         space.metrics.housekeeping("stocks_tidied", leases.tidy(draining > 0))
         return work
 
     def _loop(self) -> None:
         name_os_thread("tierstore-hk")
-        while not self._stop.wait(self.space.cfg.housekeeping_s):
+        wait = self.space.cfg.housekeeping_s
+        while True:
+            self._wake.wait(wait)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            busy = True
             try:
-                self.run_once()
+                busy = self.run_once()
             except Exception as e:  # never let the thread die: it is how the store heals
                 self.space.metrics.error("internal")
                 self.space.log.exception("internal:housekeeping", "housekeeping crashed; continuing", exc=e)
+            base = self.space.cfg.housekeeping_s
+            wait = base if busy else min(self.idle_max_s, 2 * wait)
+            self._backing_off = wait > base
 
     def start(self, on_index_down: Optional[Callable[[], None]] = None) -> None:
         """Run a pass every ``housekeeping_s`` in a daemon thread; ``on_index_down`` is
@@ -115,6 +153,7 @@ class Housekeeper:
         """Stop after the pass in progress, waiting for it at most ``timeout`` s (one stuck
         on a stalled disk ends on its own). True if the thread has exited."""
         self._stop.set()
+        self._wake.set()
         if self._thread is not None and self._thread.is_alive():
             self._thread.join(timeout)
         return self._thread is None or not self._thread.is_alive()

@@ -6,7 +6,8 @@
 
 local SCAN = 32  -- candidates looked at when choosing a region: bounds every choice
 
-local conf        -- the shard's conf: cap, alloc (as read, and as changed), rb, rpf
+local conf        -- the shard's conf: cap, alloc (as read, and as changed), rb, rpf,
+                  -- pinned: regions with a slot under lease (nil: not counted yet)
 local regions     -- region id -> record table, or false (none)
 local dirty       -- region id -> true: record to write back
 local reach       -- directory id -> true: the caller's directories
@@ -21,16 +22,17 @@ local function begin(keys, store)
   bind_keys(keys)
   regions, dirty, reach, fstate, zeroed, unlinked, fresh = {}, {}, {}, {}, {}, {}, {}
   pages_dropped, flags, evicted = 0, 0, 0
-  local v = redis.call('HMGET', K_CONF, 'store', 'cap', 'alloc', 'rb', 'rpf')
+  local v = redis.call('HMGET', K_CONF, 'store', 'cap', 'alloc', 'rb', 'rpf', 'pinned')
   if v[1] ~= store then return false end
-  conf = {cap = tonumber(v[2]), alloc = tonumber(v[3]), rb = tonumber(v[4]), rpf = tonumber(v[5])}
-  conf.alloc0 = conf.alloc
+  conf = {cap = tonumber(v[2]), alloc = tonumber(v[3]), rb = tonumber(v[4]), rpf = tonumber(v[5]), pinned = tonumber(v[6])}
+  conf.alloc0, conf.pinned0 = conf.alloc, conf.pinned
   return true
 end
 local function stale() return redis.error_reply(STALE) end
 
 local function save_conf()
   if conf.alloc ~= conf.alloc0 then redis.call('HSET', K_CONF, 'alloc', conf.alloc) end
+  if conf.pinned ~= conf.pinned0 then redis.call('HSET', K_CONF, 'pinned', conf.pinned) end
 end
 
 -- a region's record (cached for the call), or nil
@@ -40,16 +42,28 @@ local function region(r)
     local v = redis.call('HGET', K_REGIONS, r)
     if not v then regions[r] = false; return nil end
     local pb, gen, fill, live, leased, state = struct.unpack(REGION_FMT, v)
-    g = {pb = pb, gen = gen, fill = fill, live = live, leased = leased, state = state}
+    g = {pb = pb, gen = gen, fill = fill, live = live, leased = leased, state = state, pinned = leased > 0}
     regions[r] = g
   end
   return g or nil
 end
 local function touch(r) dirty[r] = true end
+-- count a region in or out of conf.pinned as its leased slots come and go (every change
+-- of a record is written by flush, or, for a record removed, passes here first)
+local function note_pin(g)
+  local now_pinned = g.leased > 0
+  if now_pinned ~= g.pinned then
+    g.pinned = now_pinned
+    if conf.pinned then conf.pinned = conf.pinned + (now_pinned and 1 or -1) end
+  end
+end
 local function flush()
   for r in pairs(dirty) do
     local g = regions[r]
-    if g then redis.call('HSET', K_REGIONS, r, struct.pack(REGION_FMT, g.pb, g.gen, g.fill, g.live, g.leased, g.state)) end
+    if g then
+      note_pin(g)
+      redis.call('HSET', K_REGIONS, r, struct.pack(REGION_FMT, g.pb, g.gen, g.fill, g.live, g.leased, g.state))
+    end
   end
 end
 

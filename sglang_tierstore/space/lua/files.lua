@@ -72,6 +72,7 @@ local function lose_file(keys, args)
         if g.state == HOLE then redis.call('ZREM', K_HOLES, r); redis.call('ZREM', K_PUNCH, r) end
         if g.state == DRAINING then redis.call('ZREM', K_DRAIN, r) end
         clear_region(r, g)
+        note_pin(g)
         redis.call('HDEL', K_REGIONS, r)
         regions[r] = false
         work = work + 1

@@ -61,13 +61,13 @@ local function snapshot_entries(keys, args)
 end
 
 -- args: store id. Answers {capacity, allocated, regions, in use, free, holes, to punch,
--- draining, leases, files, next file}.
+-- draining, leases, files, next file, regions with leased slots (-1: not counted yet)}.
 local function counts(keys, args)
   if not begin(keys, args[1]) then return stale() end
   return {conf.cap, conf.alloc, redis.call('HLEN', K_REGIONS), redis.call('ZCARD', K_LRU),
           redis.call('ZCARD', K_FREE), redis.call('ZCARD', K_HOLES), redis.call('ZCARD', K_PUNCH),
           redis.call('ZCARD', K_DRAIN), redis.call('HLEN', K_LEASES), redis.call('HLEN', K_FILES),
-          tonumber(redis.call('HGET', K_CONF, 'next_file'))}
+          tonumber(redis.call('HGET', K_CONF, 'next_file')), conf.pinned or -1}
 end
 
 -- args: store id, then triples: region, slot, entry field.

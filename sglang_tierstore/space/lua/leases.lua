@@ -95,6 +95,14 @@ local function lease_more(ranges, pb, n, now, may_evict)
   end
 end
 
+-- at most this share of a shard's regions hold slots under lease before stocks stop
+-- being topped up ahead of need: idle or dead writers' stocks never pin a small store
+local PIN_SHARE = 4
+local function may_stock_ahead()
+  for r in pairs(dirty) do if regions[r] then note_pin(regions[r]) end end  -- this call's changes so far
+  return conf.pinned == nil or conf.pinned < math.max(1, math.floor(conf.cap / PIN_SHARE))
+end
+
 -- top a lease up to want slots of page size pb
 local function restock(ranges, pb, want, now, may_evict)
   local have = 0

@@ -1,5 +1,7 @@
 -- sweep: housekeeping of a shard, a bounded step at a time.
 
+local MIN_KEEP_CAP = 4  -- a shard of at least this many regions keeps one free, however small
+
 -- args: store id, now, deadline for the caller's leases, the caller's directory ids
 -- (csv), the fraction of the capacity to keep free, most regions/leases handled, forget
 -- file creations started before this, n, then the caller's lease ids (renewed).
@@ -11,7 +13,18 @@
 local function sweep(keys, args)
   if not begin(keys, args[1]) then return stale() end
   local now, deadline, maxw, cutoff = tonumber(args[2]), args[3], tonumber(args[6]), tonumber(args[7])
+  if not conf.pinned then  -- a store made before regions under lease were counted: count them once
+    local n = 0
+    for _, v in ipairs(redis.call('HVALS', K_REGIONS)) do
+      local _, _, _, _, leased = struct.unpack(REGION_FMT, v)
+      if leased > 0 then n = n + 1 end
+    end
+    conf.pinned = n
+  end
+  -- free regions kept ready once the shard is full; a shard of a few regions keeps one,
+  -- so that the commit after the open region fills finds it (one round trip a write)
   local keep = math.floor(tonumber(args[5]) * conf.cap)
+  if keep < 1 and conf.cap >= MIN_KEEP_CAP then keep = 1 end
   set_reach(args[4])
   local missing = {}
   for i = 9, 8 + tonumber(args[8]) do

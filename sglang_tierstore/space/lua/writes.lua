@@ -35,8 +35,9 @@ end
 -- Publishes the pages whose slots the lease still holds in a region of that generation
 -- (status STORED; EXISTS for a key stored already, whose slot is then dead; NOT_STORED
 -- otherwise), gives the slots written in vain back, and tops the stock up for the next
--- batch from free space only (never evicting for a stock ahead of need): one call per
--- batch, so a write costs one round trip once the writer holds a stock.
+-- batch from free space only (never evicting for a stock ahead of need), and only while
+-- under a quarter of the shard's regions hold leased slots: one call per batch, so a
+-- write costs one round trip once the writer holds a stock.
 local function commit(keys, args)
   if not begin(keys, args[1]) then return stale() end
   local lease_id, now = args[2], tonumber(args[3])
@@ -119,7 +120,7 @@ local function commit(keys, args)
     redis.call('ZADD', K_LRU, now, r)
   end
   for r, g in pairs(changed) do settle(r, g) end
-  restock(ranges, tonumber(args[6]), tonumber(args[7]), now, false)
+  if may_stock_ahead() then restock(ranges, tonumber(args[6]), tonumber(args[7]), now, false) end
   save_lease(lease_id, ranges, args[4])
   flush(); save_conf()
   return reply(status, ranges)
