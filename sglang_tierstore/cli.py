@@ -1,7 +1,8 @@
-"""``tierstore``: look at, check, clear and export a node's store; run its embedded Redis.
+"""``tierstore``: look at, check, resize, clear and export a node's store; run its embedded Redis.
 
-Reads the JSON SGLang is given (``--hicache-storage-backend-extra-config``: inline, or
-``@file`` ending in .json, .toml or .yaml) from ``--config`` or ``$TIERSTORE_CONFIG``.
+Reads the JSON SGLang is given (``--hicache-storage-backend-extra-config``: inline, or a
+file ``PATH`` or ``@PATH`` ending in .json, .toml or .yaml) from ``--config`` or
+``$TIERSTORE_CONFIG``.
 
 ``stats``, ``check``, ``clear`` and ``exporter`` look at a store that exists and create
 none: directories that are missing or hold no store marker, or an index that does not hold
@@ -36,7 +37,7 @@ from typing import Any, Optional, Sequence
 from prometheus_client.parser import text_string_to_metric_families
 
 from sglang_tierstore import inspect, plan
-from sglang_tierstore.config import TierStoreConfig, redact_url
+from sglang_tierstore.config import MAX_CAPACITY_GB, MIN_CAPACITY_GB, TierStoreConfig, redact_url
 from sglang_tierstore.embedded import (
     embedded_running,
     ensure_embedded_redis,
@@ -70,13 +71,16 @@ class CliError(Exception):
 
 
 def load_config(text: Optional[str]) -> TierStoreConfig:
-    """The config from inline JSON or ``@file`` (.json, .toml, .yaml, as SGLang reads them)."""
+    """The config from inline JSON (text starting with ``{``), or a file named by ``@file``
+    or by the text itself (.json, .toml, .yaml, as SGLang reads them)."""
     if not text:
-        raise CliError(USAGE, f"no config: give --config '<json>' or --config @file.json, or set ${CONFIG_ENV}")
+        raise CliError(USAGE, f"no config: give --config '<json>', --config file.json or --config @file.json, "
+                              f"or set ${CONFIG_ENV}")
+    path = text[1:] if text.startswith("@") else None if text.lstrip().startswith("{") else text
     try:
-        doc = _config_document(text[1:]) if text.startswith("@") else json.loads(text)
+        doc = json.loads(text) if path is None else _config_document(path)
     except (OSError, ValueError, ImportError) as e:
-        raise CliError(USAGE, f"--config {text if text.startswith('@') else '<json>'}: {e}") from None
+        raise CliError(USAGE, f"--config {'<json>' if path is None else path}: {e}") from None
     if not isinstance(doc, dict):
         raise CliError(USAGE, f"--config: expected a JSON object, got {type(doc).__name__}")
     return TierStoreConfig.from_dict(doc)
@@ -159,7 +163,8 @@ def render_stats(s: dict[str, Any], cfg: TierStoreConfig, metrics_url: Optional[
     memory = s["index"]["used_memory_bytes"]
     capacity = f"{_size(u['capacity_bytes'])}: {u['capacity_regions']} regions of {_size(u['region_bytes'])}"
     if u["capacity_bytes"] != cfg.capacity_bytes:
-        capacity += f" (the config says {_size(cfg.capacity_bytes)}: a server started with it sets that)"
+        capacity += (f" (the config says {_size(cfg.capacity_bytes)}: the store keeps its own; "
+                     "`tierstore resize --capacity-gb GB` changes it)")
     lines = _table([
         ["store", f"{s['store']['id']} (prefix {s['store']['prefix']!r}) in {', '.join(s['store']['paths'])}"],
         ["index", f"{s['index']['url']}{' (embedded)' if s['index']['embedded'] else ''}, "
@@ -221,6 +226,25 @@ def _check(args: argparse.Namespace, cfg: TierStoreConfig) -> int:
         o.close()
     print(f"store {o.store_id}: {len(problems)} problem(s)" if problems else f"store {o.store_id}: no problems")
     return PROBLEMS if problems else OK
+
+
+def _resize(args: argparse.Namespace, cfg: TierStoreConfig) -> int:
+    if args.capacity_gb != 0 and not MIN_CAPACITY_GB <= args.capacity_gb <= MAX_CAPACITY_GB:
+        raise CliError(USAGE, f"--capacity-gb: expected 0 (hold nothing) or {MIN_CAPACITY_GB:g} to "
+                              f"{MAX_CAPACITY_GB:g}, got {args.capacity_gb:g}")
+    o = open_store(cfg, args.start_redis)
+    try:
+        old = o.store.space.attached().capacity
+        new = int(args.capacity_gb * (1 << 30))
+        try:
+            o.store.space.set_capacity(new)
+        except ValueError as e:
+            raise CliError(USAGE, f"--capacity-gb {args.capacity_gb:g}: {e}") from None
+    finally:
+        o.close()
+    print(f"store {o.store_id}: capacity {_size(old)} -> {_size(new)}"
+          + (" (every process evicts down to it and returns the disk space)" if new < old else ""))
+    return OK
 
 
 def _confirm(question: str) -> bool:
@@ -324,14 +348,14 @@ def _exporter(args: argparse.Namespace, cfg: TierStoreConfig) -> int:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tierstore",
-        description="Look at, check, clear and export a node's tierstore; run its embedded Redis. "
+        description="Look at, check, resize, clear and export a node's tierstore; run its embedded Redis. "
                     "Exit codes: 0 done, 1 problems found, 2 bad usage or config, 3 index, Redis, directory or "
                     "metrics URL unreachable, 4 no store there, 5 clear not confirmed.",
     )
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--config", default=os.environ.get(CONFIG_ENV),
-                        help=f"the JSON given to SGLang's --hicache-storage-backend-extra-config, inline or @file "
-                             f"(.json, .toml, .yaml); default ${CONFIG_ENV}")
+                        help=f"the JSON given to SGLang's --hicache-storage-backend-extra-config, inline, or a file "
+                             f"(PATH or @PATH: .json, .toml, .yaml); default ${CONFIG_ENV}")
     joins = argparse.ArgumentParser(add_help=False, parents=[common])
     joins.add_argument("--start-redis", action="store_true",
                        help="start the embedded Redis if it is not running (default: report it and stop)")
@@ -347,6 +371,10 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--no-verify", action="store_true", help="do not read pages to compare their checksums")
     c.set_defaults(run=_check)
 
+    rs = sub.add_parser("resize", parents=[joins], help="change the store's capacity (every process follows)")
+    rs.add_argument("--capacity-gb", type=float, required=True, metavar="GB", help="the new capacity in GiB (0: hold nothing)")
+    rs.set_defaults(run=_resize)
+
     cl = sub.add_parser("clear", parents=[joins], help="drop the pages of some namespaces, or of all")
     cl.add_argument("--namespace", action="append", metavar="ID", help="a namespace id (from stats); repeatable")
     cl.add_argument("--yes", action="store_true", help="do not ask (needed without a terminal)")
@@ -361,7 +389,9 @@ def _parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("exporter", parents=[joins], help="serve index-level gauges for Prometheus")
     e.add_argument("--port", type=int, required=True, help="port to serve /metrics on")
-    e.add_argument("--addr", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    e.add_argument("--addr", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this host only; the gauges name the store's "
+                        "page sizes, namespaces and usage, so expose them deliberately, e.g. --addr 0.0.0.0)")
     e.add_argument("--interval", type=float, default=0.0, metavar="S",
                    help="read the index at most once per S seconds, whatever the scrape rate (default: every scrape)")
     e.set_defaults(run=_exporter)

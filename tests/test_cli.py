@@ -4,12 +4,16 @@ a few run ``python -m sglang_tierstore`` as a user would (no terminal, HTTP scra
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import io
 import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import tomllib
@@ -23,11 +27,12 @@ from engine_kit import engine, pages, views
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.exposition import MetricsHandler
 from prometheus_client.parser import text_string_to_metric_families
+from users import NOBODY, as_root, run_as
 
 from sglang_tierstore import cli, exporter, inspect
 from sglang_tierstore.config import TierStoreConfig
 from sglang_tierstore.embedded import ensure_embedded_redis, pid_file, redis_dir, stop_embedded_redis
-from sglang_tierstore.perms import PRIVATE
+from sglang_tierstore.perms import PRIVATE, modes
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = {4096: 20, 8192: 10}  # page bytes -> pages written, one namespace each
@@ -227,6 +232,30 @@ def test_a_store_is_looked_at_as_it_is(extra: dict[str, Any], filled: dict[str, 
     assert stats(capsys, extra)["usage"]["capacity_bytes"] == TierStoreConfig.from_dict(extra).capacity_bytes
 
 
+def test_resize_changes_the_stores_capacity_for_every_process(extra: dict[str, Any], filled: dict[str, int],
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """Capacity is the store's: a process started with another capacity_gb keeps it, and
+    ``resize`` is how an operator changes it; a value no region fits is refused, changing nothing."""
+    cfg = TierStoreConfig.from_dict(extra)
+    region = stats(capsys, extra)["usage"]["region_bytes"]
+    code, out, err = run(capsys, "resize", "--capacity-gb", "1e-9", "--config", json.dumps(extra))
+    assert code == cli.USAGE and "--capacity-gb" in err
+    code, out, err = run(capsys, "resize", "--capacity-gb", f"{region / 2 / (1 << 30)!r}", "--config", json.dumps(extra))
+    assert code == cli.USAGE and "--capacity-gb" in err and "regions" in err
+    assert stats(capsys, extra)["usage"]["capacity_bytes"] == cfg.capacity_bytes
+
+    new = cfg.capacity_bytes // 2
+    code, out, _ = run(capsys, "resize", "--capacity-gb", f"{new / (1 << 30)!r}", "--config", json.dumps(extra))
+    assert code == cli.OK and "capacity 256.0 MiB -> 128.0 MiB" in out
+    st = engine(extra)  # a serving process with the old capacity_gb in its config
+    try:
+        assert st.space.attached().capacity == new
+    finally:
+        st.close()
+    assert stats(capsys, extra)["usage"]["capacity_bytes"] == new
+    assert stats(capsys, extra)["usage"]["pages"] == sum(SIZES.values())  # room for them all still
+
+
 def test_unreachable_redis_exits_3_without_the_password(extra: dict[str, Any], filled: dict[str, int]) -> None:
     conf = {**extra, "redis_url": f"redis://:pw-s3cret@127.0.0.1:{free_port()}/0"}  # nothing listens there
     done = python_m("stats", "--config", json.dumps(conf))
@@ -263,6 +292,9 @@ def test_config_from_a_file_or_the_environment(tmp_path: Path, extra: dict[str, 
     assert code == cli.USAGE and "--config" in err
     code, _, err = run(capsys, "check", "--config", f"@{tmp_path / 'absent.json'}")
     assert code == cli.USAGE and "absent.json" in err
+    assert run(capsys, "check", "--config", str(f))[0] == cli.OK  # a path without @, as operators type it
+    code, _, err = run(capsys, "check", "--config", str(tmp_path / "absent.json"))
+    assert code == cli.USAGE and "absent.json" in err and "No such file" in err
 
 
 @pytest.fixture
@@ -333,10 +365,18 @@ def scrape(url: str) -> dict[str, float]:
     return out
 
 
+def listening(port: int) -> list[str]:
+    """The IPv4 addresses a socket listens on at ``port`` (from /proc/net/tcp)."""
+    with open("/proc/net/tcp") as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    return [socket.inet_ntoa(bytes.fromhex(addr)[::-1]) for local, state in ((r[1], r[3]) for r in rows)
+            for addr, p in [local.split(":")] if int(p, 16) == port and state == "0A"]
+
+
 def test_exporter_serves_index_gauges_over_http(extra: dict[str, Any], filled: dict[str, int]) -> None:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "sglang_tierstore", "exporter", "--port", str(port), "--addr",
-                             "127.0.0.1", "--config", json.dumps(extra)], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "sglang_tierstore", "exporter", "--port", str(port),
+                             "--config", json.dumps(extra)], cwd=ROOT, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}/metrics"
     try:
         deadline = time.monotonic() + 30
@@ -347,6 +387,7 @@ def test_exporter_serves_index_gauges_over_http(extra: dict[str, Any], filled: d
             except OSError:
                 assert proc.poll() is None and time.monotonic() < deadline, "the exporter did not start"
                 time.sleep(0.1)
+        assert listening(port) == ["127.0.0.1"], "the exporter listens beyond loopback unless told to"
         cfg = TierStoreConfig.from_dict(extra)
         assert got["tierstore_store_up"] == 1
         assert got["tierstore_store_capacity_bytes"] == cfg.capacity_bytes
@@ -374,3 +415,91 @@ def test_exporter_reports_down_until_the_store_appears(extra: dict[str, Any]) ->
         assert by_name["tierstore_store_up"][0].value == 1 and by_name["tierstore_store_pages"][0].value == 3
     finally:
         collector.close()
+
+
+def _serve(conf: dict[str, Any], n: int) -> int:
+    """The service's part: start the embedded Redis of the store and write ``n`` pages;
+    how many were stored."""
+    url = ensure_embedded_redis(conf["path"][0], modes(conf.get("file_access", "private"))).url
+    st = engine({**conf, "redis_url": url})
+    try:
+        ns = st.namespace({"model": "m-users", "pool": "kv"}, 4096)
+        return sum(st.write(ns, keys(n, "users"), views(pages(n, 4096, 1)), False))
+    finally:
+        st.close()
+
+
+def _cli(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(list(argv))
+    return code, out.getvalue(), err.getvalue()
+
+
+def _tree(*dirs: Path) -> dict[str, tuple[int, int, int]]:
+    """Every path under ``dirs``: (owner, group, mode)."""
+    return {str(p): (st.st_uid, st.st_gid, st.st_mode) for d in dirs for p in [d, *d.rglob("*")]
+            for st in [p.lstat()]}
+
+
+@pytest.fixture
+def shared_base() -> Iterator[Path]:
+    """A directory every user may enter, for stores of other users."""
+    base = Path(tempfile.mkdtemp(prefix="ts-users-", dir="/tmp"))
+    os.chmod(base, 0o755)
+    yield base
+    shutil.rmtree(base, ignore_errors=True)
+
+
+@as_root
+def test_root_looking_at_a_service_users_store_creates_nothing(shared_base: Path) -> None:
+    """The service runs as another user; the operator adds a directory to ``path`` and runs
+    the read-only commands as root: nothing appears anywhere, and the service's next start
+    says why it cannot use a directory it may not write (naming ``path`` and the owner)."""
+    store, added = shared_base / "s", shared_base / "added"
+    store.mkdir(mode=0o700)
+    os.chown(store, NOBODY, NOBODY)
+    added.mkdir(mode=0o755)  # root's, as an operator makes it
+    conf = {"path": [str(store)], "capacity_gb": 0.05, "redis_prefix": "users"}
+    try:
+        assert run_as(NOBODY, NOBODY, _serve, conf, 12) == 12
+        before = _tree(store, added)
+        wider = json.dumps({**conf, "path": [str(store), str(added)]})
+        code, out, err = _cli("stats", "--json", "--config", wider)
+        assert code == cli.OK, err
+        assert json.loads(out)["usage"]["pages"] == 12
+        code, out, err = _cli("check", "--config", wider)
+        assert code == cli.OK and "no problems" in out, out + err
+        assert _tree(store, added) == before and list(added.iterdir()) == []
+
+        with pytest.raises(AssertionError, match=rf"ConfigError: .*'path': {added}/tierstore-users cannot be written"
+                                                 rf".*{added} is owned by uid 0 \(root\)"):
+            run_as(NOBODY, NOBODY, _serve, {**conf, "path": [str(store), str(added)]}, 1)
+        os.chown(added, NOBODY, NOBODY)  # the operator's fix
+        assert run_as(NOBODY, NOBODY, _serve, {**conf, "path": [str(store), str(added)]}, 12) == 12
+    finally:
+        run_as(NOBODY, NOBODY, stop_embedded_redis, str(store))
+
+
+@as_root
+def test_a_group_member_runs_the_read_only_commands_and_creates_nothing(shared_base: Path) -> None:
+    """A ``file_access: group`` store: a member of its group (not its owner, not root) runs
+    stats and check on it, joining its embedded Redis, and nothing on disk changes."""
+    store = shared_base / "g"
+    store.mkdir(mode=0o750)
+    os.chown(store, NOBODY, NOBODY)
+    conf = {"path": [str(store)], "capacity_gb": 0.05, "redis_prefix": "users", "file_access": "group"}
+    member = 4242
+    try:
+        assert run_as(NOBODY, NOBODY, _serve, conf, 9) == 9
+        before = _tree(store)
+        code, out, err = run_as(member, member, _cli, "stats", "--json", "--config", json.dumps(conf), groups=[NOBODY])
+        assert code == cli.OK, err
+        assert json.loads(out)["usage"]["pages"] == 9
+        code, out, err = run_as(member, member, _cli, "check", "--config", json.dumps(conf), groups=[NOBODY])
+        assert code == cli.OK and "no problems" in out, out + err
+        code, _, err = run_as(member, member, _cli, "stats", "--config", json.dumps(conf))  # not in the group
+        assert code == cli.UNREACHABLE and "is not a directory this user can read" in err
+        assert _tree(store) == before
+    finally:
+        run_as(NOBODY, NOBODY, stop_embedded_redis, str(store))
