@@ -42,7 +42,7 @@ T = TypeVar("T")
 # scripts/index_memory.py against an embedded Redis.
 ACL_COMMANDS = (
     "fcall", "function|load", "evalsha", "script|load", "multi", "exec", "exists", "unlink", "scan",
-    "hexists", "hget", "hmget", "hgetall", "hvals", "hlen", "hscan", "hset", "hsetnx", "hincrby", "hdel",
+    "hexists", "hget", "hmget", "hgetall", "hvals", "hlen", "hstrlen", "hscan", "hset", "hsetnx", "hincrby", "hdel",
     "zadd", "zcard", "zrange", "zrangebyscore", "zscore", "zrem",
 )
 

@@ -16,16 +16,19 @@ may sit in them that the index does not know. With ``verify_pages`` every commit
 page is read and its checksum compared. With ``fix``, entries that fail are dropped and
 members whose entry is not theirs stop counting as pages.
 
-Cost, and why live traffic does not notice: the store is streamed in chunks: ``chunk``
-entries, or as many regions as hold at most ``16 * chunk`` slots. Per chunk: one HSCAN
-step, then one read-only function call that snapshots those regions (with their members'
-entries and the lease table) or those entries (with their regions and members)
-atomically, so a chunk is consistent however traffic moves between chunks, and no call
-does more than a few thousand field reads. In all: O(regions + entries) Redis work in
-``(regions + entries) / chunk`` short calls (a 10 TB store of 256 KiB pages: ~40M
-entries, ~160k calls), plus one ``pread`` per committed page with ``verify_pages``. A
-checksum mismatch is reported only if the entry still holds the value that was read
-after the page was (a page evicted meanwhile is not a problem).
+Cost, and why live traffic does not notice: the store is streamed in HSCAN steps of
+``chunk`` regions or entries, and each step is read in read-only function calls bounded
+by work, whatever the page size: a call reads at most ``CHECK_SLOTS`` (1,024) member
+slots and the entries they name, and copies at most ``CHECK_BYTES`` (1 MiB) of member
+blobs (a 64 MiB region of 4 KiB pages has 16,384 slots, a 512 KiB blob: read in 16
+calls). Each call is atomic; a region read over several calls counts as one snapshot
+only if its record (generation, fill, live and leased counts) is the same in all of
+them, and is read again (up to ``REREADS`` times, then left for the next check) if not,
+so a check is consistent however traffic moves between calls. In all: O(regions +
+entries) Redis work in about ``slots / CHECK_SLOTS + entries / chunk`` short calls,
+plus one ``pread`` per committed page with ``verify_pages``. A checksum mismatch is
+reported only if the entry still holds the value that was read after the page was (a
+page evicted meanwhile is not a problem).
 """
 
 from __future__ import annotations
@@ -39,7 +42,6 @@ from sglang_tierstore.embedded import ensure_embedded_redis, join_embedded_redis
 from sglang_tierstore.errors import IndexUnavailable, NoStore, PageIOError, TierStoreError
 from sglang_tierstore.pagefile import FileRef, checksum
 from sglang_tierstore.schema import (
-    ALIGN,
     DRAINING,
     ENTRY,
     FIELD_BYTES,
@@ -60,6 +62,11 @@ from sglang_tierstore.space.geometry import Geometry, slots_per_region
 from sglang_tierstore.store import Namespace, TierStore
 
 ZERO = b"\0" * FIELD_BYTES
+# check()'s bound on each call's work (snapshot_regions, snapshot_entries): member slots
+# read (with the entries they name), bytes of member blobs copied
+CHECK_SLOTS = 1024
+CHECK_BYTES = 1 << 20
+REREADS = 3  # a region that changes while read in parts is read again this often
 COUNTS = ("capacity_regions", "allocated_regions", "regions", "used_regions", "free_regions", "hole_regions",
           "punch_regions", "draining_regions", "leases", "files", "next_file", "pinned_regions")
 
@@ -274,32 +281,54 @@ def _leased(lease_table: dict[bytes, bytes]) -> dict[int, list[tuple[bytes, Leas
 
 def _regions(store: TierStore, a: Attachment, shard: int, chunk: int, fix: bool) -> tuple[list[str], int]:
     """Problems of a shard's regions, and how many regions hold leased slots."""
-    g = a.geometry
     pinned = 0
-    keys = a.shard_keys(shard)
     out: list[str] = []
     dangling: list[tuple[int, int, bytes]] = []
-    per_call = max(1, chunk * 16 // max(1, g.region_bytes // ALIGN))  # at most chunk * 16 slots per call
-    for got in _scan(store, a.key(shard, "regions"), per_call):
-        ids = sorted(int(r) for r in got)
-        snap = store.index.call("snapshot_regions", keys, [g.store_id, *ids])
-        pos = 0
-        views = []
-        for r in ids:
-            rec, blob, lru, in_free, in_holes, in_punch, in_drain, open_r, n = snap[pos : pos + 9]
-            values = snap[pos + 9 : pos + 9 + int(n)]
-            pos += 9 + int(n)
-            views.append((r, rec, blob, lru, (bool(lru), bool(in_free), bool(in_holes), bool(in_punch), bool(in_drain)),
-                          open_r, values))
-        nleases = int(snap[pos])
-        flat = snap[pos + 1 : pos + 1 + 2 * nleases]
-        leased = _leased(dict(zip(flat[::2], flat[1::2])))
-        for view in views:
-            out += _region_problems(g, view, leased.get(view[0], []), dangling)
+    for got in _scan(store, a.key(shard, "regions"), chunk):
+        for view, leased in _region_views(store, a, shard, sorted(int(r) for r in got)):
+            out += _region_problems(a.geometry, view, leased.get(view[0], []), dangling)
             pinned += len(view[1]) == REGION.size and unpack_region(view[1]).leased > 0
     if fix and dangling:
         unlink_members(store, a, shard, sorted(set(dangling)))  # HSCAN may return a region twice
     return out, pinned
+
+
+def _region_views(store: TierStore, a: Attachment, shard: int, ids: list[int]
+                  ) -> Iterator[tuple[tuple[Any, ...], dict[int, list[tuple[bytes, LeaseRange]]]]]:
+    """Each region's snapshot, with the lease table of the call that finished it, read in
+    calls bounded by CHECK_SLOTS and CHECK_BYTES. A region read over several calls is one
+    snapshot only if its record stayed the same throughout (any change to its slots
+    changes its counters or generation): one that changed is read again, up to REREADS
+    times, then left for the next check."""
+    keys = a.shard_keys(shard)
+    todo = [(r, 0) for r in ids]
+    parts: dict[int, list[list[Any]]] = {}
+    tries: dict[int, int] = {}
+    while todo:
+        snap = store.index.call("snapshot_regions", keys, [a.geometry.store_id, CHECK_SLOTS, CHECK_BYTES,
+                                                           *(x for r_first in todo for x in r_first)])
+        pos, answered = 1, int(snap[0])
+        finished: list[int] = []
+        resume: list[tuple[int, int]] = []
+        for _ in range(answered):
+            r, stop, total, n = int(snap[pos]), int(snap[pos + 2]), int(snap[pos + 3]), int(snap[pos + 12])
+            parts.setdefault(r, []).append(snap[pos + 4 : pos + 12] + [snap[pos + 13 : pos + 13 + n]])
+            pos += 13 + n
+            (finished.append(r) if stop >= total else resume.append((r, stop)))
+        flat = snap[pos + 1 : pos + 1 + 2 * int(snap[pos])]
+        leased = _leased(dict(zip(flat[::2], flat[1::2])))
+        todo = resume + todo[answered:]
+        for r in finished:
+            got = parts.pop(r)
+            rec = got[0][0]
+            if any(p[0] != rec for p in got):  # it changed between calls
+                tries[r] = tries.get(r, 0) + 1
+                if tries[r] <= REREADS:
+                    todo.insert(0, (r, 0))
+                continue
+            last = got[-1]
+            sets = (bool(last[2]), *(bool(int(x)) for x in last[3:7]))  # in lru, free, holes, punch, drain
+            yield (r, rec, b"".join(p[1] for p in got), last[2], sets, last[7], [v for p in got for v in p[8]]), leased
 
 
 def unlink_members(store: TierStore, a: Attachment, shard: int, members: list[tuple[int, int, bytes]]) -> int:
@@ -377,11 +406,9 @@ def _entries(store: TierStore, a: Attachment, shard: int, chunk: int, ns_pages: 
     keys = a.shard_keys(shard)
     out: list[str] = []
     for got in _scan(store, a.key(shard, "entries"), chunk):
-        fields = list(got)
-        snap = store.index.call("snapshot_entries", keys, [g.store_id, *fields])
         bad: list[tuple[bytes, bytes]] = []
-        for k, f in enumerate(fields):
-            value, rec, member = snap[3 * k : 3 * k + 3]
+        by_region = sorted(got, key=lambda f: got[f][:4])  # calls then copy each region's member blob once
+        for f, (value, rec, member) in _entry_views(store, keys, g.store_id, by_region):
             why = _entry_problem(g, f, value, rec, member, ns_pages)
             if why is None and value and not a.tags.valid(f, value):
                 why = "its tag is not valid for it (forged or moved in the index, or the store's entry key changed)"
@@ -393,6 +420,19 @@ def _entries(store: TierStore, a: Attachment, shard: int, chunk: int, ns_pages: 
         if fix and bad:
             a.drop(bad, shard)  # where it was found, even if it does not belong there
     return out
+
+
+def _entry_views(store: TierStore, keys: list[str], store_id: str, fields: list[bytes]
+                 ) -> Iterator[tuple[bytes, tuple[bytes, bytes, bytes]]]:
+    """(field, (value, its region's record, the member at its slot)) of each field, read
+    in calls that look up at most CHECK_SLOTS entries and copy at most CHECK_BYTES of
+    member blobs."""
+    while fields:
+        snap = store.index.call("snapshot_entries", keys, [store_id, CHECK_BYTES, *fields[:CHECK_SLOTS]])
+        k = int(snap[0])
+        for i, f in enumerate(fields[:k]):
+            yield f, tuple(snap[1 + 3 * i : 4 + 3 * i])  # type: ignore[misc]
+        fields = fields[k:]
 
 
 def _entry_problem(g: Geometry, f: bytes, value: bytes, rec: bytes, member: bytes, ns_pages: dict[bytes, int]) -> Optional[str]:
@@ -433,7 +473,7 @@ def _verify_page(store: TierStore, a: Attachment, shard: int, f: bytes, value: b
         if checksum([memoryview(data)]) == e.checksum:
             return None
         why = "checksum mismatch"
-    again = store.index.call("snapshot_entries", a.shard_keys(shard), [g.store_id, f])[0]
+    again = store.index.call("snapshot_entries", a.shard_keys(shard), [g.store_id, CHECK_BYTES, f])[1]
     return why if again == value else None
 
 

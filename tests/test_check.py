@@ -233,3 +233,66 @@ def test_check_fix_drops_a_misplaced_entry_where_it_found_it(tmp_path: Path, red
     finally:
         r.close()
         st.close()
+
+
+def test_a_check_of_a_large_store_of_small_pages_is_bounded_per_call(tmp_path: Path, redis_proc: RedisProc) -> None:
+    """64 MiB regions of 4 KiB pages (16,384 slots, a 512 KiB member blob each): every
+    function call of a check reads at most CHECK_SLOTS slots and copies at most
+    CHECK_BYTES of member blobs (a call reading one region whole did 16x that), while the
+    check still finds one corrupted entry among 20,000 pages, and a region changing
+    between the calls that read it is read again."""
+    cfg = {"path": str(tmp_path / "big"), "redis_url": redis_proc.url, "redis_prefix": "big-" + uuid.uuid4().hex[:8],
+           "capacity_gb": 1, "io_threads": 2}
+    st = engine(cfg)
+    try:
+        ns = st.namespace({"m": "big"}, PAGE)
+        n = 20_000
+        ks = keys(n, "big")
+        data = pages(500, PAGE, 7)
+        for i in range(0, n, 500):
+            assert all(st.write(ns, ks[i : i + 500], views(data), False))
+        a = st.space.attached()
+        assert a.geometry.region_bytes == 64 << 20
+
+        calls: list[tuple[str, list[Any], list[Any]]] = []
+        changed: list[int] = []
+        real = st.index.call
+
+        def recording(name: str, keys_: list[str], args: list[Any]) -> Any:
+            reply = real(name, keys_, args)
+            calls.append((name, args, reply))
+            if name == "snapshot_regions" and not changed and int(reply[0]) and int(reply[2]) > 0 \
+                    and int(reply[4]) < 16_384:  # the open region is being read in parts: it changes meanwhile
+                changed.append(int(reply[1]))
+                assert st.write(ns, keys(1, "meanwhile"), views(pages(1, PAGE, 8)), False) == [True]
+            return reply
+
+        r = redis.Redis.from_url(redis_proc.url)
+        victim = entry_fields(ns.ns_id, [ks[12_345]])[0]
+        value = bytearray(r.hget(a.key(0, "entries"), victim))
+        value[-1] ^= 1  # its tag no longer matches
+        r.hset(a.key(0, "entries"), victim, bytes(value))
+        st.index.call = recording  # type: ignore[method-assign]
+        problems = inspect.check(st, verify_pages=False)
+        st.index.call = real  # type: ignore[method-assign]
+        assert len(problems) == 1 and victim.hex() in problems[0], problems
+
+        regions = [c for c in calls if c[0] == "snapshot_regions"]
+        assert len(regions) >= n // inspect.CHECK_SLOTS
+        starts: dict[int, int] = {}
+        for _, _, reply in regions:
+            pos, slots, blobs = 1, 0, 0
+            for _ in range(int(reply[0])):
+                first, stop, total, n_values = int(reply[pos + 1]), int(reply[pos + 2]), int(reply[pos + 3]), int(reply[pos + 12])
+                starts[int(reply[pos])] = starts.get(int(reply[pos]), 0) + (first == 0)
+                slots += stop - first
+                blobs += total * FIELD_BYTES
+                assert n_values <= stop - first
+                pos += 13 + n_values
+            assert slots <= inspect.CHECK_SLOTS and blobs <= inspect.CHECK_BYTES, (slots, blobs)
+        assert changed and starts[changed[0]] == 2  # the region that changed mid-read was read again, whole
+        entries = [c for c in calls if c[0] == "snapshot_entries"]
+        assert entries and all(int(reply[0]) <= inspect.CHECK_SLOTS for _, _, reply in entries)
+        r.close()
+    finally:
+        st.close()

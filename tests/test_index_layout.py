@@ -23,7 +23,7 @@ from sglang_tierstore.schema import entry_fields, shard_key, shard_of
 from sglang_tierstore.space.library import LIBRARY
 
 # Commands the functions may issue, all with exactly one key, right after the command name.
-ONE_KEY = {"HGET", "HSET", "HMGET", "HDEL", "HSETNX", "HEXISTS", "HGETALL", "HLEN", "HINCRBY", "ZADD", "ZREM",
+ONE_KEY = {"HGET", "HSTRLEN", "HSET", "HMGET", "HDEL", "HSETNX", "HEXISTS", "HGETALL", "HLEN", "HINCRBY", "ZADD", "ZREM",
            "ZRANGE", "ZRANGEBYSCORE", "ZSCORE", "ZCARD"}
 
 

@@ -151,9 +151,9 @@ class ReplyDropper:
     def _replies(self, server: socket.socket, client: socket.socket, drop_reply: threading.Event) -> None:
         while chunk := _recv(server):
             if drop_reply.is_set():  # the call has run: its reply is lost with the connection
+                self.dropped.set()  # before the client can see the drop
                 client.shutdown(socket.SHUT_RDWR)
                 client.close()
-                self.dropped.set()
                 return
             client.sendall(chunk)
 
