@@ -257,7 +257,8 @@ SETTINGS: dict[str, Setting] = {
     "io_threads": Setting(8, integer(1, 256), "Threads issuing preadv/pwritev in parallel (queue depth)."),
     "o_direct": Setting(True, _bool, "Use O_DIRECT when buffers are 4 KiB aligned and the filesystem allows it; buffered I/O otherwise."),
     "fsync": Setting("none", _choice("none", "commit"), "`commit`: fdatasync page files before a write is published; `none`: rely on checksums after a crash."),
-    "read_timeout_s": Setting(0.0, number(0.001, 3600.0, zero=True), "How long a batch read waits for the disk (s). `0`: until it answers, reading straight into host memory. Above 0: pages not read in time are misses (`tierstore_errors_total{kind=\"io_read_timeout\"}`), and reads are staged in the I/O threads' own memory and copied into host memory, so a read given up on never lands in memory SGLang has reused (the copy's cost: docs/performance.md). Writes always wait."),
+    "read_timeout_s": Setting(0.0, number(0.001, 3600.0, zero=True), "How long a batch read waits for the disk (s). `0`: until it answers, reading straight into host memory. Above 0: pages not read in time are misses (`tierstore_errors_total{kind=\"io_read_timeout\"}`), and reads are staged in the I/O threads' own memory and copied into host memory, so a read given up on never lands in memory SGLang has reused (the copy's cost: docs/performance.md)."),
+    "write_timeout_s": Setting(10.0, number(0.001, 3600.0, zero=True), "How long a batch write waits for the disk (s): pages not written in time are not stored (`tierstore_errors_total{kind=\"io_write_timeout\"}`), so SGLang's backup thread never waits longer on a stalled disk. Their slots are given up, never published; a pwritev that returns later lands in a slot no entry names. `0`: wait until the disk answers. Below `lease_s` (unset: 10, or `lease_s` / 2 if that is less)."),
     "redis_timeout_s": Setting(0.5, number(0.01, 60.0), "Socket timeout of every Redis call: an upper bound on how long Redis trouble can stall a batch."),
     "redis_retry_s": Setting(1.0, number(0.01, 600.0), "After a Redis failure, answer misses without trying Redis for this long, then try again."),
     "lease_s": Setting(60.0, number(LEASE_MIN_S, 86400.0, why="a batch must be able to finish within its lease"), "Slots leased to a writer that stops renewing them (it crashed or stalled) for this long are reclaimed. At least 4 x `housekeeping_s` (which renews them)."),
@@ -302,6 +303,7 @@ class TierStoreConfig:
     o_direct: bool = SETTINGS["o_direct"].default
     fsync: str = SETTINGS["fsync"].default
     read_timeout_s: float = SETTINGS["read_timeout_s"].default
+    write_timeout_s: float = SETTINGS["write_timeout_s"].default
     redis_timeout_s: float = SETTINGS["redis_timeout_s"].default
     redis_retry_s: float = SETTINGS["redis_retry_s"].default
     lease_s: float = SETTINGS["lease_s"].default
@@ -349,10 +351,17 @@ class TierStoreConfig:
             except ValueError as e:
                 raise ConfigError(f"tierstore config key {name!r}: {e}") from None
         _check_tls_url(values)
+        if "write_timeout_s" not in values:  # the default, within a short lease
+            values["write_timeout_s"] = min(SETTINGS["write_timeout_s"].default,
+                                            values.get("lease_s", SETTINGS["lease_s"].default) / 2)
         cfg = cls(**values)
         if cfg.lease_s < LEASE_PER_HOUSEKEEPING * cfg.housekeeping_s:
             raise ConfigError(f"tierstore config keys 'lease_s' and 'housekeeping_s': lease_s ({cfg.lease_s:g}) must be at "
                               f"least {LEASE_PER_HOUSEKEEPING} x housekeeping_s ({cfg.housekeeping_s:g}), which renews leases")
+        if cfg.write_timeout_s >= cfg.lease_s:
+            raise ConfigError(f"tierstore config keys 'write_timeout_s' and 'lease_s': write_timeout_s "
+                              f"({cfg.write_timeout_s:g}) must be below lease_s ({cfg.lease_s:g}): a batch must finish "
+                              "within its lease")
         return cfg
 
 

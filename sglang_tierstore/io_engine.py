@@ -161,14 +161,21 @@ class Batch(Generic[R]):
         return self
 
     def __exit__(self, *exc: object) -> None:
-        """Settle: cancel, then wait for the items running now. However the caller's
-        block ends (an exception while outcomes were still coming in included), once
-        it has, nothing of this batch touches the caller's memory any more: no late
-        preadv into host memory SGLang has reused. Unbounded, as waiting for every
-        item is; a caller that may give up on a stalled disk cancels instead."""
+        self.settle()
+
+    def settle(self, deadline: Optional[float] = None) -> bool:
+        """Cancel, then wait for the items running now (until ``deadline``, if given:
+        ``time.monotonic()``); whether none runs any more. However the caller's block
+        ends (an exception while outcomes were still coming in included), once this has
+        returned True nothing of this batch touches the caller's memory any more: no
+        late preadv into host memory SGLang has reused. Without a deadline unbounded, as
+        waiting for every item is; a caller that may give up on a stalled disk gives one
+        (or cancels instead)."""
         with self._idle:
             self._cancelled = True
-            self._idle.wait_for(lambda: not self._active)
+            if deadline is None:
+                return self._idle.wait_for(lambda: not self._active)
+            return self._idle.wait_for(lambda: not self._active, max(0.0, deadline - mod_time.monotonic()))
 
 
 class Gate:

@@ -97,6 +97,8 @@ class PageFiles:
         self.o_direct = o_direct and hasattr(os, "O_DIRECT")
         self.read_only = read_only
         self._open: dict[int, _Open] = {}
+        self._opening: dict[int, threading.Event] = {}  # files being opened (outside the lock)
+        self._forgotten: dict[int, bool] = {}  # files forgotten while being opened
         self._lock = threading.Lock()
         self._closed = False
 
@@ -168,42 +170,69 @@ class PageFiles:
                 h.close()
 
     def _handle(self, ref: FileRef) -> _Open:
-        """Open a file (counted as one user)."""
+        """Open a file (counted as one user). The open and the header read run outside
+        the lock, so a file whose first open stalls (a stalled disk, a slow mount) holds
+        up only I/O on that file; threads wanting the same file wait for the one opening
+        it, then look again."""
+        while True:
+            with self._lock:
+                h = self._open.get(ref.number)
+                if h is not None:
+                    h.users += 1
+                    return h
+                if self._closed:
+                    raise PageIOError(errno.EBADF, f"page file {ref.number} not opened: the store is closed")
+                if ref.dir_id not in self.dirs:
+                    raise PageIOError(errno.ENOENT, f"page file {ref.number} lives in directory {ref.dir_id}, which this process does not have")
+                opening = self._opening.get(ref.number)
+                if opening is None:
+                    opening = self._opening[ref.number] = threading.Event()
+                    break
+            opening.wait()
+        try:
+            h = self._open_file(ref)
+        except BaseException:
+            with self._lock:
+                del self._opening[ref.number]
+                self._forgotten.pop(ref.number, None)
+            opening.set()
+            raise
         with self._lock:
-            h = self._open.get(ref.number)
-            if h is not None:
-                h.users += 1
-                return h
-            if self._closed:
-                raise PageIOError(errno.EBADF, f"page file {ref.number} not opened: the store is closed")
-            if ref.dir_id not in self.dirs:
-                raise PageIOError(errno.ENOENT, f"page file {ref.number} lives in directory {ref.dir_id}, which this process does not have")
-            path = self.path(ref.number, ref.dir_id)
-            mode = os.O_RDONLY if self.read_only else os.O_RDWR
-            try:
-                fd = os.open(path, mode | os.O_CLOEXEC)
-            except FileNotFoundError as e:
-                raise FileGone(errno.ENOENT, f"page file {path} was deleted") from e
-            except IsADirectoryError as e:
-                raise FileGone(errno.EISDIR, f"page file {path} was replaced by a directory") from e
-            except OSError as e:
-                raise PageIOError(e.errno, f"cannot open page file {path}: {e.strerror}") from e
-            try:
-                self._check_header(fd, path, ref)
-                dfd = -1
-                if self.o_direct:
-                    try:
-                        dfd = os.open(path, mode | os.O_DIRECT | os.O_CLOEXEC)
-                    except OSError as e:
-                        if e.errno != errno.EINVAL:
-                            raise PageIOError(e.errno, f"cannot open {path}: {e.strerror}") from e
-                h = _Open(fd, dfd, os.fstat(fd).st_ino, path)
-            except BaseException:
-                os.close(fd)
-                raise
-            h.users = 1
-            self._open[ref.number] = h
-            return h
+            del self._opening[ref.number]
+            gone = self._closed or self._forgotten.pop(ref.number, False)
+            if not gone:
+                h.users = 1
+                self._open[ref.number] = h
+        opening.set()
+        if gone:  # closed, or forgotten (being removed) while it was being opened
+            h.close()
+            raise FileGone(errno.ESTALE, f"page file {h.path} was closed or removed while it was being opened")
+        return h
+
+    def _open_file(self, ref: FileRef) -> _Open:
+        path = self.path(ref.number, ref.dir_id)
+        mode = os.O_RDONLY if self.read_only else os.O_RDWR
+        try:
+            fd = os.open(path, mode | os.O_CLOEXEC)
+        except FileNotFoundError as e:
+            raise FileGone(errno.ENOENT, f"page file {path} was deleted") from e
+        except IsADirectoryError as e:
+            raise FileGone(errno.EISDIR, f"page file {path} was replaced by a directory") from e
+        except OSError as e:
+            raise PageIOError(e.errno, f"cannot open page file {path}: {e.strerror}") from e
+        try:
+            self._check_header(fd, path, ref)
+            dfd = -1
+            if self.o_direct:
+                try:
+                    dfd = os.open(path, mode | os.O_DIRECT | os.O_CLOEXEC)
+                except OSError as e:
+                    if e.errno != errno.EINVAL:
+                        raise PageIOError(e.errno, f"cannot open {path}: {e.strerror}") from e
+            return _Open(fd, dfd, os.fstat(fd).st_ino, path)
+        except BaseException:
+            os.close(fd)
+            raise
 
     def _check_header(self, fd: int, path: str, ref: FileRef) -> None:
         try:
@@ -222,6 +251,8 @@ class PageFiles:
         """Close a file (it is gone, or is being removed) once no I/O uses it."""
         with self._lock:
             h = self._open.pop(file_no, None)
+            if file_no in self._opening:
+                self._forgotten[file_no] = True
             if h is None:
                 return
             h.retired = True
@@ -253,11 +284,10 @@ class PageFiles:
     def allocate(self, ref: FileRef, offset: int, nbytes: int) -> None:
         """Give a range of a file disk space (it was a hole)."""
         self._writable(f"cannot allocate space in page file {ref.number}")
-        with self._using(ref) as h:
-            try:
-                os.posix_fallocate(h.fd, offset, nbytes)
-            except OSError as e:
-                raise PageIOError(e.errno, f"cannot allocate {nbytes} bytes at {offset} in {h.path}: {e.strerror}") from e
+        with self._using(ref) as h:  # fallocate(2), not posix_fallocate: no emulation writing zeros
+            if _libc.fallocate(h.fd, 0, offset, nbytes) != 0:  # mode 0: the file grows to hold it
+                e = ctypes.get_errno()
+                raise PageIOError(e, f"cannot allocate {nbytes} bytes at {offset} in {h.path}: {os.strerror(e)}")
 
     def punch(self, ref: FileRef, offset: int, nbytes: int) -> None:
         """Return a range's disk space (it became a hole)."""

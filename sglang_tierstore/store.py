@@ -52,6 +52,7 @@ logger = logging.getLogger(__name__)
 
 Regions = Sequence[memoryview]
 IOV_MAX = 1024  # iovecs in one preadv/pwritev
+_LATE = object()  # the outcome of a write piece not done by write_timeout_s
 MAX_RUN_BYTES = 1 << 20  # one coalesced I/O at most (larger ones were slower on this VM: docs/performance.md),
 # and the most one write moves: a larger page is written in pieces, so a read waits for at most one of those per thread
 
@@ -413,14 +414,14 @@ class TierStore:
         Costs one ``commit`` round trip once this thread holds a stock of leased slots
         (a second call first when it does not), and the pages' pwritevs in parallel,
         coalesced over adjacent slots, while this thread hashes them. Nothing is
-        published before its pwritev returned, and a write has no deadline: on a disk
-        that stops answering it waits (a pwritev cannot be called back, and giving its
-        slots back while it may still land would let it overwrite a later page). A
-        writer stalled past ``lease_s`` while no housekeeping renews its lease (its
-        process's is stuck on the same disk, or the process is frozen) loses it: its
-        slots stay dead and its commit stores nothing. Index trouble raises
-        :class:`IndexUnavailable`: the pages may not be stored (or, when the commit's
-        reply was lost, may be)."""
+        published before its pwritev returned. With ``write_timeout_s`` (> 0) the batch
+        waits for the disk that long at most: pages not written by then are not stored,
+        and their slots are given up (dead until their region is reclaimed, which a late
+        pwritev can only turn into a checksum miss, never another key's page). A writer
+        stalled past ``lease_s`` while no housekeeping renews its lease (its process's is
+        stuck on the same disk, or the process is frozen) loses it: its slots stay dead
+        and its commit stores nothing. Index trouble raises :class:`IndexUnavailable`:
+        the pages may not be stored (or, when the commit's reply was lost, may be)."""
         self._check_sizes(ns, keys, srcs)
         if not keys:
             return []
@@ -447,18 +448,32 @@ class TierStore:
                 run, off, piece = unit
                 a.pages.write(run[0].file, run[0].offset + off, piece, sum(map(len, piece)), aligned)
 
-            with self.io.submit(write_unit, units, len(res.places) * pb // max(1, len(units)), write=True) as batch:
+            timeout = self.cfg.write_timeout_s
+            deadline = mod_time.monotonic() + timeout if timeout else None
+            batch = self.io.submit(write_unit, units, len(res.places) * pb // max(1, len(units)), inline=not timeout,
+                                   write=True)
+            try:
                 tails = {}
                 for p in res.places:  # while the pages are being written
                     sl = res.slots[p.pos]
                     tails[p.pos] = a.tags.tail(fields[p.pos], sl.region, sl.gen, sl.slot, checksum(srcs[p.pos]))
-                outcomes = batch.results()
+                outcomes: dict[int, object] = dict(batch.as_completed(deadline))
+            finally:  # pieces not started never start; running ones are waited for until the deadline
+                batch.settle(deadline)  # (past it, they land in slots that are given up below)
             failed: set[int] = set()
-            for (run, _, _), o in zip(units, outcomes):
-                if isinstance(o, BaseException):
-                    if run[0].pos not in failed:  # once per run, however many of its pieces failed
-                        a.files.failure("io_write", run[0].file.number, o)
+            late = 0
+            for k, (run, _, _) in enumerate(units):
+                o = outcomes.get(k, _LATE)
+                if o is _LATE:
+                    late += len(run) * (run[0].pos not in failed)
+                elif isinstance(o, BaseException) and run[0].pos not in failed:
+                    a.files.failure("io_write", run[0].file.number, o)  # once per run, however many pieces failed
+                if o is _LATE or isinstance(o, BaseException):
                     failed.update(p.pos for p in run)
+            if late:
+                self.metrics.error("io_write_timeout", late)
+                self.log.warning("io_write_timeout", "%d page(s) not written within write_timeout_s=%g s (a stalled disk, "
+                                 "or I/O threads stuck on one): not stored", late, timeout)
             status = res.commit((p.pos for p in res.places if p.pos not in failed), tails, self.cfg.fsync == "commit")
         stored = sum(1 for s in status.values() if s == STORED)
         self.metrics.pages("write", "stored", stored)

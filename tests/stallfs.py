@@ -4,13 +4,14 @@
 every read reaches this process, none is served from the page cache) and takes commands
 on stdin, one per line, each answered ``ok`` on stdout:
 
-- ``stall``: reads from now on block (they still reach the kernel and this process, as
-  on a device that stopped answering); each prints ``blocked`` when it starts waiting.
-- ``answer``: blocked and later reads proceed; each blocked read prints ``answered``
-  once it has been served.
+- ``stall [OP ...]``: operations OP (``read``, the default; ``write``; ``open``: opening
+  a file) from now on block (they still reach the kernel and this process, as on a
+  device that stopped answering); each prints ``blocked`` when it starts waiting.
+- ``answer``: blocked and later operations proceed; each blocked one prints
+  ``answered`` once it has been served.
 
-End of stdin (the test ended, or died) answers every read and unmounts. Everything but
-reads passes straight through, so a store can be created, written and opened on it.
+End of stdin (the test ended, or died) answers everything and unmounts. Everything not
+stalled passes straight through, so a store can be created, written and opened on it.
 The test side is :class:`StalledDisk`.
 """
 
@@ -76,8 +77,8 @@ class StalledDisk:
         self.proc.stdin.flush()
         self._expect("ok", 10)
 
-    def stall(self) -> None:
-        self._command("stall")
+    def stall(self, *ops: str) -> None:
+        self._command(" ".join(("stall", *ops)))
 
     def answer(self) -> None:
         self._command("answer")
@@ -117,6 +118,7 @@ def _serve(backing: str, mountpoint: str) -> None:
 
     answering = threading.Event()
     answering.set()
+    stalled: set[str] = set()  # the operations that block while answering is clear
     out_lock = threading.Lock()
 
     def say(line: str) -> None:
@@ -126,8 +128,10 @@ def _serve(backing: str, mountpoint: str) -> None:
 
     def control() -> None:
         for line in sys.stdin:
-            cmd = line.strip()
+            cmd, *ops = line.split()
             if cmd == "stall":
+                stalled.clear()
+                stalled.update(ops or ["read"])
                 answering.clear()
             elif cmd == "answer":
                 answering.set()
@@ -184,23 +188,37 @@ def _serve(backing: str, mountpoint: str) -> None:
             return {k: getattr(sv, k) for k in ("f_bavail", "f_bfree", "f_blocks", "f_bsize", "f_favail", "f_ffree",
                                                  "f_files", "f_flag", "f_frsize", "f_namemax")}
 
+        def held(self, op: str) -> bool:
+            """Block if ``op`` is stalled; whether it was (it then says ``answered`` when done)."""
+            if op not in stalled or answering.is_set():
+                return False
+            say("blocked")
+            answering.wait()
+            return True
+
         def open(self, path: str, flags: int) -> int:
-            return os.open(self._p(path), flags & ~os.O_DIRECT)
+            held = self.held("open")
+            fh = os.open(self._p(path), flags & ~os.O_DIRECT)
+            if held:
+                say("answered")
+            return fh
 
         def create(self, path: str, mode: int, fi: Any = None) -> int:
             return os.open(self._p(path), os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
 
         def read(self, path: str, size: int, offset: int, fh: int) -> bytes:
-            if not answering.is_set():
-                say("blocked")
-                answering.wait()
-                data = os.pread(fh, size, offset)
+            held = self.held("read")
+            data = os.pread(fh, size, offset)
+            if held:
                 say("answered")
-                return data
-            return os.pread(fh, size, offset)
+            return data
 
         def write(self, path: str, data: bytes, offset: int, fh: int) -> int:
-            return os.pwrite(fh, data, offset)
+            held = self.held("write")
+            n = os.pwrite(fh, data, offset)
+            if held:
+                say("answered")
+            return n
 
         def fsync(self, path: str, datasync: int, fh: int) -> None:
             if datasync:

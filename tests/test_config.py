@@ -79,6 +79,16 @@ def test_a_lease_must_outlive_the_housekeeping_passes_that_renew_it() -> None:
     assert TierStoreConfig.from_dict({"path": "/x", "lease_s": 4, "housekeeping_s": 1}).lease_s == 4
 
 
+def test_a_write_must_give_up_within_its_lease() -> None:
+    with pytest.raises(ConfigError, match=r"'write_timeout_s' and 'lease_s': write_timeout_s \(60\) must be below "
+                                          r"lease_s \(60\)"):
+        TierStoreConfig.from_dict({"path": "/x", "write_timeout_s": 60})
+    assert TierStoreConfig.from_dict({"path": "/x"}).write_timeout_s == 10.0
+    assert TierStoreConfig.from_dict({"path": "/x", "write_timeout_s": 0}).write_timeout_s == 0  # wait for the disk
+    with pytest.raises(ConfigError, match="'write_timeout_s'"):
+        TierStoreConfig.from_dict({"path": "/x", "write_timeout_s": 0.0001})
+
+
 SECRET = "s3cr3t-Pa55"
 
 

@@ -14,21 +14,23 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence, TypeVar
 
 import pytest
 from conftest import RedisProc, keys
-from engine_kit import MiB, engine, pages
+from engine_kit import MiB, engine, pages, read, views
 from stallfs import StalledDisk
 
 from sglang_tierstore import TierStore, inspect
 from sglang_tierstore.io_engine import IOEngine
+from sglang_tierstore.pagefile import FileRef, PageFiles
 from sglang_tierstore.store import Namespace
 
 PAGE = 256 << 10
 N = 32  # 8 MiB: runs of 1 MiB on every I/O thread
 TIMEOUT_S = 1.0  # long enough for a loaded machine to start the reads before the deadline
 SENTINEL = 0xA5
+T = TypeVar("T")
 
 
 @pytest.fixture
@@ -128,3 +130,134 @@ def test_a_given_up_batch_sends_the_disk_nothing_more() -> None:
         held.set()
         io.close()  # the pool is idle: whatever was going to start has
     assert started == [0]
+
+
+def in_thread(fn: Callable[[], T], what: str, bound_s: float = 10 * TIMEOUT_S) -> T:
+    """``fn()`` given ``bound_s`` to return (run in a thread, so that a call that never
+    returns fails the test instead of hanging it)."""
+    out: list[T] = []
+    t = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    t.start()
+    t.join(bound_s)
+    assert not t.is_alive(), f"{what} did not return within {bound_s} s"
+    return out[0]
+
+
+def test_a_stalled_disk_bounds_writes_and_a_late_write_serves_nothing(disk: StalledDisk, redis_proc: RedisProc) -> None:
+    """Writes stall: a batch gives up after write_timeout_s (not stored, counted), so does
+    the next (every I/O thread is stuck); the late pwritevs land in slots that were given
+    up, which no entry names: when the disk answers, those keys are misses, writing them
+    again stores them, and every page reads back as written."""
+    st = engine({"path": os.path.join(disk.mountpoint, "store"), "redis_url": redis_proc.url,
+                 "redis_prefix": "w-" + uuid.uuid4().hex[:10], "capacity_gb": 32 * MiB / (1 << 30),
+                 "io_threads": 4, "write_timeout_s": TIMEOUT_S})
+    try:
+        ns = st.namespace({}, PAGE)
+        first, second = keys(3 * N, "first"), keys(N, "second")
+        src1, src2 = pages(3 * N, PAGE, 1), pages(N, PAGE, 2)
+        for i in range(0, 3 * N, N):  # 12 of the 16 regions: both page files made
+            assert st.write(ns, first[i : i + N], views(src1[i : i + N]), False) == [True] * N
+
+        disk.stall("write")
+        assert in_thread(lambda: st.write(ns, second, views(src2), False), "a write") == [False] * N
+        disk.wait_blocked()  # the pwritevs reached the device, which holds them
+        assert st.stats()["error_io_write_timeout"] == N
+        garbage = [bytearray(b"\xee" * PAGE) for _ in range(N)]  # the caller reuses its memory at once
+        assert in_thread(lambda: st.write(ns, keys(N, "third"), views(garbage), False), "a second write") == [False] * N
+
+        disk.answer()
+        disk.wait_answered(1)  # a held pwritev returns, late
+        assert read(st, ns, second)[0] == [False] * N  # never published
+        deadline = time.monotonic() + 60  # the I/O threads catch up with the backlog
+        while (ok := st.write(ns, second, views(src2), False)) != [True] * N and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert ok == [True] * N
+        assert read(st, ns, second) == ([True] * N, src2)
+        hits, got = read(st, ns, first)  # the slots given up took room: older pages may be evicted, never wrong
+        assert [g for g, h in zip(got, hits) if h] == [p for p, h in zip(src1, hits) if h]
+        assert inspect.check(st) == []
+    finally:
+        disk.answer()
+        st.close()
+
+
+def test_a_first_write_whose_page_file_stalls_being_made_is_bounded(disk: StalledDisk, redis_proc: RedisProc) -> None:
+    """A new store's first write must make a page file, and the disk holds its header's
+    write: the write gives up after write_timeout_s (not stored), so do writes while the
+    file is still being made, and once the disk answers the file is published and writes
+    store."""
+    st = engine({"path": os.path.join(disk.mountpoint, "store"), "redis_url": redis_proc.url,
+                 "redis_prefix": "f-" + uuid.uuid4().hex[:10], "capacity_gb": 32 * MiB / (1 << 30),
+                 "io_threads": 2, "write_timeout_s": TIMEOUT_S})
+    try:
+        ns = st.namespace({}, PAGE)
+        ks, src = keys(4, "f"), pages(4, PAGE, 3)
+        disk.stall("write")
+        assert in_thread(lambda: st.write(ns, ks, views(src), False), "a write making a page file") == [False] * 4
+        assert st.stats()["error_file_create_timeout"] == 1
+        assert in_thread(lambda: st.write(ns, ks, views(src), False), "a write while it is made") == [False] * 4
+        assert st.stats()["error_file_create_timeout"] == 1  # the file being made is not made again
+        disk.answer()
+        deadline = time.monotonic() + 30
+        while (ok := st.write(ns, ks, views(src), False)) != [True] * 4 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert ok == [True] * 4 and read(st, ns, ks) == ([True] * 4, src)
+        assert inspect.check(st) == []
+    finally:
+        disk.answer()
+        st.close()
+
+
+def test_a_page_file_whose_first_open_stalls_holds_up_no_other_file(disk: StalledDisk) -> None:
+    """Opening a page file for the first time blocks on the device: I/O on a file already
+    open goes on meanwhile (the open runs outside the files' lock)."""
+    d = os.path.join(disk.mountpoint, "files")
+    os.makedirs(d)
+    identity = {"format": 1, "prefix": "p", "store": "s", "region_bytes": 1 << 20, "regions_per_file": 4}
+    a, b = FileRef(1, "d", "ua"), FileRef(2, "d", "ub")
+    maker = PageFiles(identity, {"d": d}, o_direct=False)
+    maker.create(a)
+    maker.create(b)
+    maker.close()
+    files = PageFiles(identity, {"d": d}, o_direct=False)
+    try:
+        files.ensure_open(b)
+        disk.stall("open")
+        opening = threading.Thread(target=files.ensure_open, args=(a,), daemon=True)
+        opening.start()
+        disk.wait_blocked()  # the open of a is held by the device
+        buf = memoryview(bytearray(4096))
+        in_thread(lambda: files.read(b, 0, [buf], 4096, False), "a read of an open file")
+        assert bytes(buf) == files.header(b)
+        disk.answer()
+        opening.join(30)
+        assert not opening.is_alive() and sorted(files.open_files()) == [1, 2]
+    finally:
+        disk.answer()
+        files.close()
+
+
+def test_sglangs_backup_call_returns_on_a_stalled_disk(disk: StalledDisk, redis_proc: RedisProc) -> None:
+    """``batch_set_v1``, as SGLang's backup thread calls it with a real host pool: on a
+    disk whose writes stall it answers False within write_timeout_s, and True once the
+    disk answers again."""
+    from pools import fill, keys as page_keys, mha_pool, page_indices, storage_config
+
+    from sglang_tierstore import TierStoreBackend
+
+    pool = mha_pool("page_first", page_size=16, layers=4, heads=4, head_dim=64)  # 64 KiB pages
+    fill(pool, 3)
+    ks = page_keys(16)
+    cfg = {"path": os.path.join(disk.mountpoint, "be"), "redis_url": redis_proc.url, "redis_prefix": "be-" + uuid.uuid4().hex[:8],
+           "capacity_gb": 32 * MiB / (1 << 30), "interface_v1": 1, "write_timeout_s": TIMEOUT_S, "io_threads": 2}
+    with TierStoreBackend(storage_config(cfg), {}) as be:
+        be.register_mem_pool_host(pool)
+        assert be.batch_set_v1(ks[:8], page_indices(range(8), 16)) == [True] * 8
+        disk.stall("write")
+        assert in_thread(lambda: be.batch_set_v1(ks[8:], page_indices(range(8, 16), 16)), "batch_set_v1") == [False] * 8
+        disk.answer()
+        deadline = time.monotonic() + 60
+        while (ok := be.batch_set_v1(ks[8:], page_indices(range(8, 16), 16))) != [True] * 8 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert ok == [True] * 8
+        assert be.batch_get_v1(ks, page_indices(range(16), 16)) == [True] * 16

@@ -190,7 +190,7 @@ class Attachment:
         self.tags = EntryTags(home.entry_key)
         self.pages = page_files(home.file_identity(), home.dirs, cfg.o_direct, modes, read_only)
         self.leases = Leases(index, home, ",".join(home.dirs), cfg.lease_s, token, clock)
-        self.files = Files(index, home, self.pages, self.leases, metrics, log, clock)
+        self.files = Files(index, home, self.pages, self.leases, metrics, log, clock, cfg.write_timeout_s)
         self._touch: dict[int, dict[int, float]] = {}
         self._lock = threading.Lock()
 

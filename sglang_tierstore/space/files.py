@@ -30,15 +30,18 @@ from sglang_tierstore.space import attach
 from sglang_tierstore.space.attach import Home
 from sglang_tierstore.space.leases import Leases
 
-_CANNOT_PUNCH = (errno.EOPNOTSUPP, errno.ENOSYS)  # the filesystem has no FALLOC_FL_PUNCH_HOLE
+_UNSUPPORTED = (errno.EOPNOTSUPP, errno.ENOSYS)  # the filesystem cannot punch holes, or allocate
 
 
 class Files:
     """The page files of one attachment: their records, and each file's life."""
 
     def __init__(self, index: RedisIndex, home: Home, pages: PageFiles, leases: Leases, metrics: Metrics,
-                 log: RateLimitedLog, clock: Callable[[], float]) -> None:
+                 log: RateLimitedLog, clock: Callable[[], float], wait_s: float = 0.0) -> None:
+        """``wait_s``: how long a writer waits for a new page file to be made on disk
+        (``write_timeout_s``; 0: until it is)."""
         self.index = index
+        self.wait_s = wait_s
         self.home = home
         self.pages = pages
         self.leases = leases
@@ -49,9 +52,11 @@ class Files:
         self._records: dict[int, FileRecord] = {}
         self._lost: dict[int, str] = {}  # file number -> uid: to be forgotten by housekeeping
         self._no_punch: set[str] = set()  # directories whose filesystem cannot punch holes
+        self._no_allocate: set[str] = set()  # directories whose filesystem cannot allocate space
         shards = home.geometry.shards
         self._adding = [threading.Lock() for _ in range(shards)]  # one file added at a time per shard
         self._added = [0] * shards
+        self._making: list[Optional[threading.Thread]] = [None] * shards  # a file still being made after wait_s
         self._lock = threading.Lock()
 
     # -- records -----------------------------------------------------------------------
@@ -83,18 +88,39 @@ class Files:
     def add(self, shard: int) -> None:
         """A new page file for a shard that has no region left without one; none if
         another thread of this process added one for it meanwhile (writers that all found
-        the shard full at once then lease again, rather than each adding a file)."""
+        the shard full at once then lease again, rather than each adding a file), or is
+        still making one on a disk slower than ``wait_s``: the writer waits that long at
+        most, and the file is made (and published) when the disk answers."""
         seen = self._added[shard]
         with self._adding[shard]:  # writers only: never an I/O thread
-            if self._added[shard] != seen:
+            making = self._making[shard]
+            if self._added[shard] != seen or (making is not None and making.is_alive()):
                 return
             self._added[shard] += 1
-            self._add(shard)
+            f, dir_id, uid = self.index.call("add_file", self.home.shard_keys(shard),
+                                             [self.home.geometry.store_id, repr(self.clock()), self.dirs])
+            ref = FileRef(int(f), _text(dir_id), _text(uid))
+            if not self.wait_s:
+                self._make(shard, ref)
+                return
+            t = threading.Thread(target=self._make_logged, args=(shard, ref), name="tierstore-file", daemon=True)
+            t.start()
+            t.join(self.wait_s)
+            if t.is_alive():
+                self._making[shard] = t
+                self.metrics.error("file_create_timeout")
+                self.log.warning("file_create_timeout", "page file %d not made within write_timeout_s=%g s (a stalled "
+                                 "disk): writes that need it are not stored until it is", ref.number, self.wait_s)
 
-    def _add(self, shard: int) -> None:
-        f, dir_id, uid = self.index.call("add_file", self.home.shard_keys(shard),
-                                         [self.home.geometry.store_id, repr(self.clock()), self.dirs])
-        ref = FileRef(int(f), _text(dir_id), _text(uid))
+    def _make_logged(self, shard: int, ref: FileRef) -> None:
+        try:
+            self._make(shard, ref)
+        except TierStoreError as e:  # the index went meanwhile: the file stays creating, for housekeeping
+            self.failure("create_file", ref.number, e)
+
+    def _make(self, shard: int, ref: FileRef) -> None:
+        """Create the file the index gave this process to make, and publish it (or give
+        it up, if it cannot be made)."""
         try:
             self.pages.create(ref)
         except PageIOError as e:
@@ -111,13 +137,22 @@ class Files:
     def allocate(self, regions: Iterable[int]) -> None:
         """Give regions that were holes disk space before use. Never raises: a failure
         (the disk, or the index asked for the file's record) only means space is taken as
-        pages land; it is counted and logged."""
+        pages land; it is counted and logged. Where the filesystem cannot allocate (found
+        once: FUSE filesystems, NFSv3) nothing more is tried there: space is taken as
+        pages land, and no emulation writes zeros under pages being written."""
         g = self.home.geometry
         for r in regions:
+            ref = None
             try:
                 ref = self.ref(g.file_of(r))
-                if ref is not None:
+                if ref is not None and ref.dir_id not in self._no_allocate:
                     self.pages.allocate(ref, g.region_offset(r), g.region_bytes)
+            except PageIOError as e:
+                if e.errno not in _UNSUPPORTED or ref is None:
+                    self.failure("allocate", g.file_of(r), e)
+                    continue
+                self._no_allocate.add(ref.dir_id)
+                self.log.warning("allocate", "%s; regions there take disk space as their pages land", e)
             except TierStoreError as e:
                 self.failure("allocate", g.file_of(r), e)
 
@@ -140,7 +175,7 @@ class Files:
                 self.pages.punch(ref, g.region_offset(r), g.region_bytes)
                 done.append(r)
             except PageIOError as e:
-                if e.errno not in _CANNOT_PUNCH:
+                if e.errno not in _UNSUPPORTED:
                     self.failure("punch", ref.number, e)
                     continue
                 self._no_punch.add(ref.dir_id)
