@@ -333,3 +333,30 @@ def test_an_idle_store_costs_redis_next_to_nothing_whatever_housekeeping_s(cfg: 
         assert sum(mon.commands().values()) >= busy_pass  # a pass ran within 0.5 s of the write
     finally:
         st.close()
+
+
+def test_a_full_small_store_keeps_a_free_region_so_each_write_is_one_round_trip(cfg: dict[str, Any],
+                                                                                 redis_proc: RedisProc) -> None:
+    """16 regions (2% of them is none): once full, housekeeping still keeps one region
+    free, so the commit that fills the open region restocks from it and every batch of a
+    steady writer is one function call."""
+    from monitor import Monitor
+
+    small = {**cfg, "capacity_gb": 1 * MiB / (1 << 30)}  # sixteen 64 KiB regions
+    st = engine(small)
+    try:
+        ns = st.namespace({"m": "small"}, 16 << 10)  # 4 pages per region
+        data = pages(2, 16 << 10, 1)
+        for i in range(40):  # full, and evicting
+            assert st.write(ns, keys(2, f"warm{i}"), views(data), False) == [True] * 2
+            housekeep(st)
+        calls = []
+        for i in range(24):  # six regions filled
+            mon = Monitor(redis_proc.port)
+            assert st.write(ns, keys(2, f"steady{i}"), views(data), False) == [True] * 2
+            calls.append(mon.commands()["FCALL"])
+            housekeep(st)
+        assert calls == [1] * len(calls), calls
+        assert inspect.usage(st)["free_regions"] >= 1
+    finally:
+        st.close()
