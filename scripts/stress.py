@@ -47,6 +47,7 @@ import mmap
 import multiprocessing as mp
 import os
 import random
+import subprocess
 import shutil
 import signal
 import sys
@@ -700,6 +701,7 @@ def summarize(run: Run, final: dict[str, Any], seconds: float) -> dict[str, Any]
     }
     return {
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "commit": _commit(),
         "args": {k: v for k, v in vars(run.a).items() if k != "json"},
         "redis": redact_url(run.url),
         "workload": asdict(run.workload),
@@ -727,6 +729,15 @@ def summarize(run: Run, final: dict[str, Any], seconds: float) -> dict[str, Any]
     }
 
 
+def _commit() -> str:
+    """The checkout's commit, ``+changes`` if its tracked files differ from it."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", os.path.dirname(os.path.abspath(__file__)), *args], capture_output=True,
+                              text=True).stdout.strip()
+
+    return git("rev-parse", "--short", "HEAD") + (" +changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
 def table(s: dict[str, Any]) -> str:
     ops, pages, f, r, fail = s["operations"], s["pages"], s["faults"], s["redis_restarts"], s["failures"]
     restarts = "-" if not f["redis_kills"] else (
@@ -734,6 +745,7 @@ def table(s: dict[str, Any]) -> str:
         f"supervisor's store answering {r['store_back_s']['median']} s (max {r['store_back_s']['max']} s) after that "
         f"(2 x redis_retry_s = {r['bound_s']} s)")
     rows = [
+        ("command", f"{s['command']} (at {s['commit']})"),
         ("run", (f"{s['seconds']:.0f} s, {s['args']['procs']} processes x {s['args']['threads']} threads, page sizes "
                  f"{', '.join(map(str, s['workload']['sizes']))}, capacity {s['args']['capacity_mb']} MiB")),
         ("operations", (f"{sum(ops.values()):,} (get {ops['get_batches']:,}, set {ops['set_batches']:,}, exists "
