@@ -71,12 +71,12 @@ class CliError(Exception):
 
 
 def load_config(text: Optional[str]) -> TierStoreConfig:
-    """The config from inline JSON (text starting with ``{``), or a file named by ``@file``
+    """The config from inline JSON (any text with a ``{``), or a file named by ``@file``
     or by the text itself (.json, .toml, .yaml, as SGLang reads them)."""
     if not text:
         raise CliError(USAGE, f"no config: give --config '<json>', --config file.json or --config @file.json, "
                               f"or set ${CONFIG_ENV}")
-    path = text[1:] if text.startswith("@") else None if text.lstrip().startswith("{") else text
+    path = text[1:] if text.startswith("@") else None if "{" in text else text  # JSON is never echoed
     try:
         doc = json.loads(text) if path is None else _config_document(path)
     except (OSError, ValueError, ImportError) as e:

@@ -32,6 +32,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import re
 import platform
 import shutil
 import signal
@@ -235,7 +236,10 @@ def ensure_embedded_redis(path: str, m: Modes, redis_server: Optional[str] = Non
         return Embedded(_url(sock, password), False)
     binary = server_binary(redis_server, _last_server(d))
     url = _url(sock, password)
-    lock_fd = os.open(os.path.join(d, "start.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, m.file)
+    try:
+        lock_fd = os.open(os.path.join(d, "start.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, m.file)
+    except OSError as e:
+        raise EmbeddedNotStarted(f"tierstore: cannot start the embedded index in {d}: {e.strerror}", url) from None
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_EX)
         if _ours(sock):
@@ -269,9 +273,18 @@ def ensure_embedded_redis(path: str, m: Modes, redis_server: Optional[str] = Non
             logger.warning("tierstore: cannot record the embedded index's binary in %s (%s)", d, e.strerror)
     except EmbeddedNotStarted as e:
         raise EmbeddedNotStarted(str(e), url) from None
+    except OSError as e:  # its directory's disk (full, failing): up answering misses, retried
+        raise EmbeddedNotStarted(f"tierstore: cannot start the embedded index in {d} ({e.filename}: {e.strerror})",
+                                 url) from None
     finally:
         os.close(lock_fd)
     return Embedded(url, True)
+
+
+# What Redis (7.x) and Valkey log, last, when they exit on an AOF they cannot load: a
+# corrupt or truncated file or manifest; not a full disk or a refused write (errno text)
+_AOF_CORRUPT = re.compile(r"(?i)(bad file format|unexpected end of file|unrecoverable error) reading the append only "
+                          r"file|manifest file .*(invalid|format|malformed)|invalid aof manifest|\bAOF\b.*\bcorrupt")
 
 
 class _AofUnreadable(Exception):
@@ -291,10 +304,11 @@ def _run(binary: str, conf: str, umask: int, password: str, path: str, timeout_s
     while not _ours(sock):
         if not _alive(pid_at):
             said = _log_since(_log_file(d), log_from)
-            if os.path.isdir(os.path.join(d, AOF_DIR)) and any(w in said for w in ("AOF", "append only file")):
-                raise _AofUnreadable(_last_warning(said))
+            why = _last_warning(said).replace(password, "***")
+            if os.path.isdir(os.path.join(d, AOF_DIR)) and _AOF_CORRUPT.search(why):
+                raise _AofUnreadable(why)
             raise EmbeddedNotStarted(f"tierstore: the embedded index ({binary}) exited while starting: "
-                                     f"{_last_warning(said) or 'see ' + _log_file(d)}", "")
+                                     f"{why or 'see ' + _log_file(d)}", "")
         if time.monotonic() > deadline:
             raise EmbeddedNotStarted(f"tierstore: the embedded index ({binary}) did not listen on {sock} within "
                                      f"{timeout_s}s; see {_log_file(d)}", "")

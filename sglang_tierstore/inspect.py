@@ -20,8 +20,9 @@ Cost, and why live traffic does not notice: the store is streamed in HSCAN steps
 ``chunk`` regions or entries, and each step is read in read-only function calls bounded
 by work, whatever the page size: a call reads at most ``CHECK_SLOTS`` (1,024) member
 slots and the entries they name, and copies at most ``CHECK_BYTES`` (1 MiB) of member
-blobs (a 64 MiB region of 4 KiB pages has 16,384 slots, a 512 KiB blob: read in 16
-calls). Each call is atomic; a region read over several calls counts as one snapshot
+blobs, or one region's blob where that is larger (a 64 MiB region of 4 KiB pages has
+16,384 slots, a 512 KiB blob: read in 16 calls; a 1 GiB region of 4 KiB pages, an 8 MiB
+blob copied by each of its 256 calls). Each call is atomic; a region read over several calls counts as one snapshot
 only if its record (generation, fill, live and leased counts) is the same in all of
 them, and is read again (up to ``REREADS`` times, then left for the next check) if not,
 so a check is consistent however traffic moves between calls. In all: O(regions +
@@ -249,7 +250,7 @@ def check(store: TierStore, fix: bool = False, verify_pages: bool = True, chunk:
         found, pinned = _regions(store, a, shard, chunk, fix)
         problems += found
         after = counts(store, a, shard)["pinned_regions"]
-        if before["pinned_regions"] == after >= 0 and pinned != after:  # a count steady across the scan
+        if pinned is not None and before["pinned_regions"] == after >= 0 and pinned != after:  # steady across the scan
             problems.append(f"shard {shard}: {after} regions counted with leased slots, {pinned} have them")
         problems += _entries(store, a, shard, chunk, ns_pages, verify_pages, fix)
     problems += _files(a)
@@ -279,27 +280,32 @@ def _leased(lease_table: dict[bytes, bytes]) -> dict[int, list[tuple[bytes, Leas
     return out
 
 
-def _regions(store: TierStore, a: Attachment, shard: int, chunk: int, fix: bool) -> tuple[list[str], int]:
-    """Problems of a shard's regions, and how many regions hold leased slots."""
+def _regions(store: TierStore, a: Attachment, shard: int, chunk: int, fix: bool) -> tuple[list[str], Optional[int]]:
+    """Problems of a shard's regions, and how many regions hold leased slots (None if
+    some region changed too often to be read: busy, left for the next check)."""
     pinned = 0
     out: list[str] = []
     dangling: list[tuple[int, int, bytes]] = []
+    seen: set[int] = set()  # HSCAN may return a region twice
+    busy: list[int] = []
     for got in _scan(store, a.key(shard, "regions"), chunk):
-        for view, leased in _region_views(store, a, shard, sorted(int(r) for r in got)):
+        ids = sorted(int(r) for r in got if int(r) not in seen)
+        seen.update(ids)
+        for view, leased in _region_views(store, a, shard, ids, busy):
             out += _region_problems(a.geometry, view, leased.get(view[0], []), dangling)
             pinned += len(view[1]) == REGION.size and unpack_region(view[1]).leased > 0
     if fix and dangling:
-        unlink_members(store, a, shard, sorted(set(dangling)))  # HSCAN may return a region twice
-    return out, pinned
+        unlink_members(store, a, shard, sorted(set(dangling)))
+    return out, None if busy else pinned
 
 
-def _region_views(store: TierStore, a: Attachment, shard: int, ids: list[int]
+def _region_views(store: TierStore, a: Attachment, shard: int, ids: list[int], busy: list[int]
                   ) -> Iterator[tuple[tuple[Any, ...], dict[int, list[tuple[bytes, LeaseRange]]]]]:
     """Each region's snapshot, with the lease table of the call that finished it, read in
     calls bounded by CHECK_SLOTS and CHECK_BYTES. A region read over several calls is one
     snapshot only if its record stayed the same throughout (any change to its slots
     changes its counters or generation): one that changed is read again, up to REREADS
-    times, then left for the next check."""
+    times, then left for the next check (appended to ``busy``)."""
     keys = a.shard_keys(shard)
     todo = [(r, 0) for r in ids]
     parts: dict[int, list[list[Any]]] = {}
@@ -325,6 +331,8 @@ def _region_views(store: TierStore, a: Attachment, shard: int, ids: list[int]
                 tries[r] = tries.get(r, 0) + 1
                 if tries[r] <= REREADS:
                     todo.insert(0, (r, 0))
+                else:
+                    busy.append(r)
                 continue
             last = got[-1]
             sets = (bool(last[2]), *(bool(int(x)) for x in last[3:7]))  # in lru, free, holes, punch, drain

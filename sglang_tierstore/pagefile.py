@@ -32,7 +32,7 @@ import os
 import re
 import threading
 from contextlib import contextmanager
-from typing import Iterator, Mapping, NamedTuple, Sequence
+from typing import Iterator, Mapping, NamedTuple, Optional, Sequence
 
 import xxhash
 
@@ -97,7 +97,7 @@ class PageFiles:
         self.o_direct = o_direct and hasattr(os, "O_DIRECT")
         self.read_only = read_only
         self._open: dict[int, _Open] = {}
-        self._opening: dict[int, threading.Event] = {}  # files being opened (outside the lock)
+        self._opening: dict[int, tuple[threading.Event, str]] = {}  # files being opened (outside the lock), and where
         self._forgotten: dict[int, bool] = {}  # files forgotten while being opened
         self._lock = threading.Lock()
         self._closed = False
@@ -142,8 +142,8 @@ class PageFiles:
     def remove(self, file_no: int, dir_id: str) -> None:
         """Remove a file the index does not (or no longer) account for."""
         self._writable(f"cannot remove page file {file_no}")
-        self.forget(file_no)
         path = self.path(file_no, dir_id)
+        self.forget(file_no, path)
         try:
             os.unlink(path)
         except FileNotFoundError:
@@ -184,11 +184,12 @@ class PageFiles:
                     raise PageIOError(errno.EBADF, f"page file {ref.number} not opened: the store is closed")
                 if ref.dir_id not in self.dirs:
                     raise PageIOError(errno.ENOENT, f"page file {ref.number} lives in directory {ref.dir_id}, which this process does not have")
-                opening = self._opening.get(ref.number)
-                if opening is None:
-                    opening = self._opening[ref.number] = threading.Event()
+                pending = self._opening.get(ref.number)
+                if pending is None:
+                    opening = threading.Event()
+                    self._opening[ref.number] = (opening, self.path(ref.number, ref.dir_id))
                     break
-            opening.wait()
+            pending[0].wait()
         try:
             h = self._open_file(ref)
         except BaseException:
@@ -204,9 +205,9 @@ class PageFiles:
                 h.users = 1
                 self._open[ref.number] = h
         opening.set()
-        if gone:  # closed, or forgotten (being removed) while it was being opened
+        if gone:  # closed, or forgotten while it was being opened: this I/O fails, nothing is lost
             h.close()
-            raise FileGone(errno.ESTALE, f"page file {h.path} was closed or removed while it was being opened")
+            raise PageIOError(errno.EAGAIN, f"page file {h.path} was closed or forgotten while it was being opened")
         return h
 
     def _open_file(self, ref: FileRef) -> _Open:
@@ -229,7 +230,12 @@ class PageFiles:
                 except OSError as e:
                     if e.errno != errno.EINVAL:
                         raise PageIOError(e.errno, f"cannot open {path}: {e.strerror}") from e
-            return _Open(fd, dfd, os.fstat(fd).st_ino, path)
+            try:
+                return _Open(fd, dfd, os.fstat(fd).st_ino, path)
+            except BaseException:
+                if dfd >= 0:
+                    os.close(dfd)
+                raise
         except BaseException:
             os.close(fd)
             raise
@@ -247,14 +253,18 @@ class PageFiles:
         with self._using(ref):
             pass
 
-    def forget(self, file_no: int) -> None:
-        """Close a file (it is gone, or is being removed) once no I/O uses it."""
+    def forget(self, file_no: int, path: Optional[str] = None) -> None:
+        """Close a file (it is gone, or is being removed) once no I/O uses it; with
+        ``path``, only if that is the file open (a stray copy of that number elsewhere is
+        not the file in use)."""
         with self._lock:
-            h = self._open.pop(file_no, None)
-            if file_no in self._opening:
+            opening = self._opening.get(file_no)
+            if opening is not None and (path is None or opening[1] == path):
                 self._forgotten[file_no] = True
-            if h is None:
+            h = self._open.get(file_no)
+            if h is None or (path is not None and h.path != path):
                 return
+            del self._open[file_no]
             h.retired = True
             last = h.users == 0
         if last:

@@ -45,7 +45,7 @@ from sglang_tierstore.schema import (
     round_up,
     unpack_entry,
 )
-from sglang_tierstore.space import Attachment, Place, Space, by_shard
+from sglang_tierstore.space import Attachment, Place, Reservation, Space, by_shard
 from sglang_tierstore.space.geometry import slots_per_region
 
 logger = logging.getLogger(__name__)
@@ -106,6 +106,14 @@ def _pieces(bufs: Sequence[memoryview], limit: int) -> list[tuple[int, list[memo
     if piece:
         out.append((start, piece))
     return out
+
+
+def _give_up(res: Reservation) -> None:
+    """Give up every slot of a batch that ends in an exception while its pwritevs still
+    run (best effort: if the index cannot be told now, a write that lands late can only
+    make the page later written there a checksum miss)."""
+    with contextlib.suppress(TierStoreError):
+        res.commit((), {}, False)
 
 
 def _run_bytes(runs: Sequence[Sequence[object]], page_bytes: int) -> int:
@@ -458,8 +466,11 @@ class TierStore:
                     sl = res.slots[p.pos]
                     tails[p.pos] = a.tags.tail(fields[p.pos], sl.region, sl.gen, sl.slot, checksum(srcs[p.pos]))
                 outcomes: dict[int, object] = dict(batch.as_completed(deadline))
-            finally:  # pieces not started never start; running ones are waited for until the deadline
-                batch.settle(deadline)  # (past it, they land in slots that are given up below)
+            except BaseException:  # pieces not started never start; running ones are waited for until the deadline
+                if not batch.settle(deadline):
+                    _give_up(res)  # some still run: their slots must not go back into a stock
+                raise
+            batch.settle(deadline)  # (past it, pieces still running land in slots given up below)
             failed: set[int] = set()
             late = 0
             for k, (run, _, _) in enumerate(units):

@@ -293,6 +293,9 @@ def test_config_from_a_file_or_the_environment(tmp_path: Path, extra: dict[str, 
     code, _, err = run(capsys, "check", "--config", f"@{tmp_path / 'absent.json'}")
     assert code == cli.USAGE and "absent.json" in err
     assert run(capsys, "check", "--config", str(f))[0] == cli.OK  # a path without @, as operators type it
+    quoted = "'" + json.dumps({**extra, "redis_url": "redis://:pw-s3cret@127.0.0.1:1/0"}) + "'"  # quotes kept by an env file
+    code, _, err = run(capsys, "check", "--config", quoted)
+    assert code == cli.USAGE and "<json>" in err and "pw-s3cret" not in err
     code, _, err = run(capsys, "check", "--config", str(tmp_path / "absent.json"))
     assert code == cli.USAGE and "absent.json" in err and "No such file" in err
 

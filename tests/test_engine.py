@@ -247,6 +247,52 @@ def test_a_call_that_raises_with_io_in_flight_returns_only_after_that_io(cfg: di
         st.close()
 
 
+def test_a_write_that_raises_while_its_pwritevs_outlive_the_deadline_gives_its_slots_up(
+        cfg: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug in the caller's thread raises while a pwritev is stuck past write_timeout_s:
+    the call raises at the deadline, and the slots of that batch are given up, never taken
+    again by the thread's next batches, where the late pwritev could overwrite a page."""
+    hooks: dict[str, Hook] = {}
+    st = engine(cfg, capacity_gb=64 * MiB / (1 << 30), write_timeout_s=0.5, page_files=hooked(hooks))
+    ns = st.namespace({}, 64 << 10)
+    held, in_flight, stuck = threading.Event(), threading.Event(), []
+    offsets: list[int] = []
+
+    def holding(real: Hook, ref: Any, offset: int, *args: Any) -> None:
+        offsets.append(offset)
+        if not stuck:
+            stuck.append(offset)
+            in_flight.set()
+            held.wait(30)  # the stalled pwritev
+        real(ref, offset, *args)
+
+    def bug(*args: Any) -> Any:
+        assert in_flight.wait(30)  # raises with the batch's pwritev under way
+        raise KeyError("a bug")
+
+    try:
+        assert st.write(ns, keys(2, "warm"), views(pages(2, 64 << 10, 1)), False) == [True] * 2  # a stock
+        hooks["write"] = holding
+        offsets.clear()
+        monkeypatch.setattr(store_module, "checksum", bug)
+        with pytest.raises(KeyError):
+            st.write(ns, keys(4, "bug"), views(pages(4, 64 << 10, 2)), False)
+        monkeypatch.undo()
+        failed = set(offsets)
+        offsets.clear()
+        for i in range(8):
+            assert st.write(ns, keys(4, f"next{i}"), views(pages(4, 64 << 10, 3 + i)), False) == [True] * 4, st.stats()
+        assert failed and not failed & set(offsets), "a slot of the batch still being written was taken again"
+    finally:
+        held.set()
+        st.close()
+    st = engine(cfg, capacity_gb=64 * MiB / (1 << 30))
+    try:
+        assert inspect.check(st) == []
+    finally:
+        st.close()
+
+
 def test_any_key_string_and_namespaces_apart(cfg: dict[str, Any]) -> None:
     st = engine(cfg)
     try:

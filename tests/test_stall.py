@@ -23,6 +23,7 @@ from stallfs import StalledDisk
 
 from sglang_tierstore import TierStore, inspect
 from sglang_tierstore.io_engine import IOEngine
+from sglang_tierstore.errors import FileGone, PageIOError
 from sglang_tierstore.pagefile import FileRef, PageFiles
 from sglang_tierstore.store import Namespace
 
@@ -235,6 +236,30 @@ def test_a_page_file_whose_first_open_stalls_holds_up_no_other_file(disk: Stalle
     finally:
         disk.answer()
         files.close()
+
+    late = PageFiles(identity, {"d": d}, o_direct=False)  # a file forgotten while its open is held
+    failed: list[BaseException] = []
+
+    def open_a() -> None:
+        try:
+            late.ensure_open(a)
+        except PageIOError as e:
+            failed.append(e)
+
+    try:
+        disk.stall("open")
+        opening = threading.Thread(target=open_a, daemon=True)
+        opening.start()
+        disk.wait_blocked()
+        late.forget(1)
+        disk.answer()
+        opening.join(30)
+        assert len(failed) == 1 and not isinstance(failed[0], FileGone)  # a failed I/O, not a file gone
+        assert late.open_files() == []
+        late.ensure_open(a)  # opened again when asked
+    finally:
+        disk.answer()
+        late.close()
 
 
 def test_sglangs_backup_call_returns_on_a_stalled_disk(disk: StalledDisk, redis_proc: RedisProc) -> None:

@@ -387,7 +387,7 @@ class Space:
         it and punches the space out of the files. ValueError unless it is 0 (hold
         nothing) or holds a region (the region size is the store's for good)."""
         a = self.attached()
-        check_capacity(a.geometry.region_bytes, capacity)
+        check_capacity(a.geometry.region_bytes, capacity, a.geometry.shards)
         attach.set_capacity(self.index, a.tag, a.geometry, capacity)
         a.capacity = capacity
         self.cfg = self.cfg.with_capacity(capacity)  # a store created anew gets it too

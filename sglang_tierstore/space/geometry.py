@@ -52,12 +52,14 @@ def region_bytes_for(capacity: int, largest_page: int = 0) -> int:
     return r
 
 
-def check_capacity(region_bytes: int, capacity: int) -> None:
+def check_capacity(region_bytes: int, capacity: int, shards: int = 1) -> None:
     """ValueError unless ``capacity`` (a store's new capacity) is 0 (the store holds
-    nothing: everything is evicted) or holds at least one of its regions."""
-    if capacity != 0 and capacity < region_bytes:
-        raise ValueError(f"capacity {capacity} bytes holds none of the store's {region_bytes}-byte regions: 0 (hold "
-                         f"nothing) or at least {region_bytes} bytes (capacity_gb {region_bytes / GiB:g})")
+    nothing: everything is evicted) or holds at least one of its regions per shard."""
+    least = shards * region_bytes
+    if capacity != 0 and capacity < least:
+        raise ValueError(f"capacity {capacity} bytes holds too few of the store's {region_bytes}-byte regions (one per "
+                         f"shard, {shards} shard(s)): 0 (hold nothing) or at least {least} bytes "
+                         f"(capacity_gb {least / GiB:g})")
 
 
 def regions_per_file_for(capacity: int, region_bytes: int, dirs: int) -> int:
