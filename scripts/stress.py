@@ -730,12 +730,14 @@ def summarize(run: Run, final: dict[str, Any], seconds: float) -> dict[str, Any]
 
 
 def _commit() -> str:
-    """The checkout's commit, ``+changes`` if its tracked files differ from it."""
+    """The checkout's commit, ``+changes`` if its tracked files other than results (this
+    run's own output among them) differ from it."""
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", os.path.dirname(os.path.abspath(__file__)), *args], capture_output=True,
                               text=True).stdout.strip()
 
-    return git("rev-parse", "--short", "HEAD") + (" +changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", ":/", ":(top,exclude)scripts/results")
+    return git("rev-parse", "--short", "HEAD") + (" +changes" if changed else "")
 
 
 def table(s: dict[str, Any]) -> str:
