@@ -58,6 +58,44 @@ def test_redis_outage_gives_bounded_misses_then_recovers(extra: dict[str, Any], 
         assert be.check() == []
 
 
+def test_an_index_down_when_a_process_starts_is_index_unavailable_to_every_call(
+        extra: dict[str, Any], private_server: RedisProc) -> None:
+    """A process (say a worker restarted while Redis restarts) whose first attach finds the
+    index down: every engine call until the retry is due raises IndexUnavailable, the
+    error the engine documents for index trouble (not a bare StoreUnavailable), and once
+    Redis answers again the calls work."""
+    from engine_kit import engine, pages, views
+
+    from sglang_tierstore import IndexUnavailable
+
+    cfg = {**extra, "redis_url": private_server.url, "redis_timeout_s": 0.2, "redis_retry_s": 1.0}
+    first = engine(cfg)
+    ns = first.namespace({"m": "down"}, 4096)
+    assert first.write(ns, keys(2), views(pages(2, 4096, 1)), False) == [True] * 2
+    first.close()
+    private_server.kill()
+    st = engine(cfg)
+    try:
+        ns = st.namespace({"m": "down"}, 4096)
+        for call in (lambda: st.write(ns, keys(2), views(pages(2, 4096, 1)), False),
+                     lambda: st.read(ns, keys(2), views(pages(2, 4096, 0)), False),
+                     lambda: st.exists([(ns, keys(2))])):
+            with pytest.raises(IndexUnavailable):
+                call()
+        private_server.start()
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                if st.write(ns, keys(2, "back"), views(pages(2, 4096, 2)), False) == [True] * 2:
+                    break
+            except IndexUnavailable:
+                pass
+            assert time.monotonic() < deadline, "the engine did not attach once Redis answered"
+            time.sleep(0.2)
+    finally:
+        st.close()
+
+
 def test_a_page_file_replaced_by_something_else_is_forgotten(extra: dict[str, Any]) -> None:
     """A page file's path now holds a directory: reads miss, then its pages are dropped
     and its capacity returns; new pages go to a new file."""

@@ -39,6 +39,7 @@ from typing import Callable, Iterable, Mapping, NamedTuple, Optional, Sequence, 
 
 from sglang_tierstore.config import TierStoreConfig
 from sglang_tierstore.errors import (
+    IndexRefusesWrites,
     IndexUnavailable,
     NoStoreYet,
     PageIOError,
@@ -276,10 +277,13 @@ class Attachment:
             self.pages.close()
 
 
-def _not_attached(why: str, kind: str) -> StoreUnavailable:
-    e = StoreUnavailable(f"the store is not attached ({why}); trying again shortly")
-    e.kind = kind
-    return e
+def _not_attached(e: StoreUnavailable) -> StoreUnavailable:
+    """The last attach's failure again, until its retry is due: the same class and kind
+    (an index that could not be reached is IndexUnavailable to every caller meanwhile)."""
+    msg = f"the store is not attached ({e}); trying again shortly"
+    again = IndexRefusesWrites(msg, e.kind) if isinstance(e, IndexRefusesWrites) else type(e)(msg)
+    again.kind = e.kind
+    return again
 
 
 class Space:
@@ -312,7 +316,7 @@ class Space:
         self._lock = threading.Lock()
         self._closed = False
         self._retry_at = -float("inf")  # after an attach that could not be done, when to try again
-        self._why, self._kind = "", ""
+        self._failure: StoreUnavailable = StoreUnavailable("not attached yet")  # the last attach's
         self._listeners: list[Callable[[Attachment], None]] = []
 
     def used(self) -> None:
@@ -352,7 +356,7 @@ class Space:
         """Caller holds the lock."""
         cfg = self.cfg
         if self.clock() < self._retry_at:
-            raise _not_attached(self._why, self._kind)
+            raise _not_attached(self._failure)
         try:
             if self.observe:
                 home = attach.observe(self.index, cfg.redis_prefix, cfg.path)
@@ -363,7 +367,7 @@ class Space:
             raise  # no waiting: another process may create it any moment
         except StoreUnavailable as e:
             self._retry_at = self.clock() + cfg.redis_retry_s
-            self._why, self._kind = str(e), e.kind
+            self._failure = e
             raise
         self._first = False
         a = Attachment(home, self.index, cfg, self.modes, self._token, self.clock, self.metrics, self.log,
