@@ -293,6 +293,40 @@ def test_a_write_that_raises_while_its_pwritevs_outlive_the_deadline_gives_its_s
         st.close()
 
 
+def test_a_region_whose_disk_space_stalls_holds_a_write_up_to_write_timeout_s_only(cfg: dict[str, Any]) -> None:
+    """Giving a fresh region its disk space (fallocate) stalls: the write waits for it at
+    most write_timeout_s and stores its pages anyway (space is taken as they land); later
+    writes do not wait while that allocation is still stuck, nor start another."""
+    hooks: dict[str, Hook] = {}
+    st = engine(cfg, capacity_gb=64 * MiB / (1 << 30), write_timeout_s=0.5, page_files=hooked(hooks))
+    held, calls = threading.Event(), []
+
+    def stalled(real: Hook, *args: Any) -> None:
+        calls.append(args)
+        held.wait(30)
+        real(*args)
+
+    hooks["allocate"] = stalled
+    try:
+        ns = st.namespace({}, 64 << 10)
+        src = pages(4, 64 << 10, 1)
+        done: list[list[bool]] = []
+        t = threading.Thread(target=lambda: done.append(st.write(ns, keys(4), views(src), False)), daemon=True)
+        t.start()
+        t.join(10)
+        assert not t.is_alive(), "a write waited for a stalled fallocate past write_timeout_s"
+        assert done == [[True] * 4] and st.stats()["error_allocate_timeout"] == 1
+        for i in range(40):  # more regions: none waits, none starts another allocation meanwhile
+            assert st.write(ns, keys(4, f"more{i}"), views(pages(4, 64 << 10, 2 + i)), False) == [True] * 4
+        assert len(calls) == 1 and st.stats()["error_allocate_timeout"] == 1
+        held.set()
+        assert read(st, ns, keys(4)) == ([True] * 4, src)
+        assert inspect.check(st) == []
+    finally:
+        held.set()
+        st.close()
+
+
 def test_any_key_string_and_namespaces_apart(cfg: dict[str, Any]) -> None:
     st = engine(cfg)
     try:

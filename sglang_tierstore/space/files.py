@@ -18,6 +18,7 @@ forgets directories no process has reported for ``10 * lease_s``.
 from __future__ import annotations
 
 import errno
+import queue
 import threading
 from typing import Callable, Iterable, Optional
 
@@ -57,6 +58,9 @@ class Files:
         self._adding = [threading.Lock() for _ in range(shards)]  # one file added at a time per shard
         self._added = [0] * shards
         self._making: list[Optional[threading.Thread]] = [None] * shards  # a file still being made after wait_s
+        self._allocator: Optional[threading.Thread] = None  # allocations with wait_s run here, in turn
+        self._alloc_jobs: queue.SimpleQueue[tuple[list[int], threading.Event]] = queue.SimpleQueue()
+        self._alloc_stuck = False  # an allocation outlived wait_s: none starts until it returns
         self._lock = threading.Lock()
 
     # -- records -----------------------------------------------------------------------
@@ -139,7 +143,46 @@ class Files:
         (the disk, or the index asked for the file's record) only means space is taken as
         pages land; it is counted and logged. Where the filesystem cannot allocate (found
         once: FUSE filesystems, NFSv3) nothing more is tried there: space is taken as
-        pages land, and no emulation writes zeros under pages being written."""
+        pages land, and no emulation writes zeros under pages being written. With
+        ``wait_s`` the writer waits that long at most (a stalled disk): the allocation
+        goes on in the background, and until it returns no other is started (pages take
+        their space as they land)."""
+        todo = list(regions)
+        if not todo:
+            return
+        if not self.wait_s:
+            self._allocate(todo)
+            return
+        done = threading.Event()
+        with self._lock:
+            if self._alloc_stuck:
+                return
+            if self._allocator is None:
+                self._allocator = threading.Thread(target=self._allocations, name="tierstore-alloc", daemon=True)
+                self._allocator.start()
+            self._alloc_jobs.put((todo, done))
+        if not done.wait(self.wait_s):
+            with self._lock:
+                self._alloc_stuck = True
+            self.metrics.error("allocate_timeout")
+            self.log.warning("allocate_timeout", "giving %d region(s) disk space took longer than write_timeout_s=%g s "
+                             "(a stalled disk): writes go on, taking space as pages land", len(todo), self.wait_s)
+
+    def _allocations(self) -> None:
+        """The allocator thread: one allocation at a time, in order (daemon: a process
+        may exit while it is stuck on a stalled disk)."""
+        while True:
+            todo, done = self._alloc_jobs.get()
+            try:
+                self._allocate(todo)
+            except Exception as e:  # never let the thread die; _allocate itself does not raise
+                self.failure("allocate", -1, e)
+            finally:
+                done.set()
+                with self._lock:
+                    self._alloc_stuck = False
+
+    def _allocate(self, regions: list[int]) -> None:
         g = self.home.geometry
         for r in regions:
             ref = None
