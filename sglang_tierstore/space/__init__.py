@@ -274,6 +274,7 @@ class Attachment:
             self.flush_touches()
             return self.leases.release_all()
         finally:
+            self.files.close()
             self.pages.close()
 
 
@@ -381,6 +382,7 @@ class Space:
         current); the next call attaches again."""
         with self._lock:
             if self._att is not None and (a is None or self._att is a):
+                self._att.files.close()
                 self._att.pages.close()
                 self._att = None
         self.metrics.error("store_detached")

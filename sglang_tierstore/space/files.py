@@ -59,8 +59,9 @@ class Files:
         self._added = [0] * shards
         self._making: list[Optional[threading.Thread]] = [None] * shards  # a file still being made after wait_s
         self._allocator: Optional[threading.Thread] = None  # allocations with wait_s run here, in turn
-        self._alloc_jobs: queue.SimpleQueue[tuple[list[int], threading.Event]] = queue.SimpleQueue()
+        self._alloc_jobs: queue.SimpleQueue[Optional[tuple[list[int], threading.Event]]] = queue.SimpleQueue()
         self._alloc_stuck = False  # an allocation outlived wait_s: none starts until it returns
+        self._alloc_closed = False
         self._lock = threading.Lock()
 
     # -- records -----------------------------------------------------------------------
@@ -155,7 +156,7 @@ class Files:
             return
         done = threading.Event()
         with self._lock:
-            if self._alloc_stuck:
+            if self._alloc_stuck or self._alloc_closed:
                 return
             if self._allocator is None:
                 self._allocator = threading.Thread(target=self._allocations, name="tierstore-alloc", daemon=True)
@@ -168,11 +169,19 @@ class Files:
             self.log.warning("allocate_timeout", "giving %d region(s) disk space took longer than write_timeout_s=%g s "
                              "(a stalled disk): writes go on, taking space as pages land", len(todo), self.wait_s)
 
+    def close(self) -> None:
+        """Stop the allocator thread once the allocations queued are done (it exits when
+        one stuck on a stalled disk returns); later allocations are not made."""
+        with self._lock:
+            self._alloc_closed = True
+            if self._allocator is not None:
+                self._alloc_jobs.put(None)
+
     def _allocations(self) -> None:
         """The allocator thread: one allocation at a time, in order (daemon: a process
         may exit while it is stuck on a stalled disk)."""
-        while True:
-            todo, done = self._alloc_jobs.get()
+        while (job := self._alloc_jobs.get()) is not None:
+            todo, done = job
             try:
                 self._allocate(todo)
             except Exception as e:  # never let the thread die; _allocate itself does not raise
