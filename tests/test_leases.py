@@ -325,12 +325,11 @@ def test_an_idle_store_costs_redis_next_to_nothing_whatever_housekeeping_s(cfg: 
         mon = Monitor(redis_proc.port)
         time.sleep(4.0)
         idle = sum(mon.commands().values())
-        busy_pass = 2  # at least: a sweep call per shard and the recency flush
         assert idle <= 3 * 6, f"{idle} commands in 4 s of idleness (one pass per 50 ms would be 80 passes)"
         mon = Monitor(redis_proc.port)
         assert all(st.write(ns, keys(4, "woken"), views(pages(4, 64 << 10, 2)), False))
         time.sleep(0.5)
-        assert sum(mon.commands().values()) >= busy_pass  # a pass ran within 0.5 s of the write
+        assert any("_sweep" in line for line in mon.lines())  # a housekeeping pass ran within 0.5 s of the write
     finally:
         st.close()
 
