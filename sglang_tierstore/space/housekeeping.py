@@ -103,12 +103,13 @@ class Housekeeper:
         work = draining = 0
         for s in range(g.shards):
             now = space.clock()
+            mark = leases.mark()  # before the sweep is sent: replies after it are newer than its view
             ours = leases.lease_ids()
             raw = space.index.call("sweep", a.shard_keys(s),
                                    [g.store_id, repr(now), repr(now + space.cfg.lease_s), a.files.dirs,
                                     repr(space.cfg.free_target), MAX_WORK, repr(now - space.cfg.lease_s), len(ours), *ours])
             expired, slots, evicted, pages, drain, npunch = (int(x) for x in raw[:6])
-            leases.renewed(s, now, {x.decode() if isinstance(x, bytes) else str(x) for x in raw[6 + npunch :]})
+            leases.renewed(s, now, {x.decode() if isinstance(x, bytes) else str(x) for x in raw[6 + npunch :]}, mark)
             space.metrics.housekeeping("leases_expired", expired)
             space.metrics.housekeeping("slots_reclaimed", slots)
             space.metrics.housekeeping("evicted", evicted)

@@ -71,7 +71,7 @@ class _Stock:
     for a whole write (slots taken, written, committed), so housekeeping can tell an idle
     writer from a busy one."""
 
-    __slots__ = ("lease", "thread", "lock", "ranges", "epoch", "renewed")
+    __slots__ = ("lease", "thread", "lock", "ranges", "epoch", "renewed", "answered")
 
     def __init__(self, lease: str, epoch: int) -> None:
         self.lease = lease
@@ -80,6 +80,7 @@ class _Stock:
         self.ranges: dict[int, list[Range]] = {}
         self.epoch = epoch
         self.renewed: dict[int, float] = {}  # shard -> when its lease was last renewed
+        self.answered: dict[int, int] = {}  # shard -> Leases.mark() when a reply last set its stock there
 
 
 class Leases:
@@ -100,6 +101,7 @@ class Leases:
         self._next = 0
         self._lock = threading.Lock()
         self._epoch = 0  # bumped when slots of some stock may have been taken away (a file lost)
+        self._answers = 0  # replies that set a stock so far: orders them against sweeps (see renewed)
         self.capacity_regions = [0] * home.geometry.shards  # per shard, as the last reply said (0: none yet)
 
     # -- stocks ------------------------------------------------------------------------
@@ -173,10 +175,13 @@ class Leases:
 
     def _answered(self, mine: _Stock, shards: Sequence[int], sent: float, outs: Sequence[Any]) -> list[Reply]:
         replies = [_reply(o) for o in outs]
-        for s, rep in zip(shards, replies):
-            mine.ranges[s] = rep.stock
-            mine.renewed[s] = sent
-            self.capacity_regions[s] = rep.capacity_regions
+        with self._lock:  # against renewed(): a sweep sent before this reply must not undo it
+            self._answers += 1
+            for s, rep in zip(shards, replies):
+                mine.ranges[s] = rep.stock
+                mine.renewed[s] = sent
+                mine.answered[s] = self._answers
+                self.capacity_regions[s] = rep.capacity_regions
         return replies
 
     def lease(self, page_bytes: int, want: dict[int, int]) -> dict[int, Reply]:
@@ -275,18 +280,30 @@ class Leases:
         with self._lock:
             return list(self._stocks)
 
-    def renewed(self, shard: int, at: float, gone: set[str]) -> None:
-        """A sweep renewed this process's leases in a shard at ``at``, except those in
-        ``gone`` (expired meanwhile: their slots may be someone else's by now). Never waits
-        for a writer: a stock whose lease is gone is no longer trusted (see :meth:`_stock`),
-        and its writer drops it before its next batch, or its commit's reply replaces it."""
+    def mark(self) -> int:
+        """Taken before a sweep is sent: a reply applied to a stock after it came from a call
+        the sweep cannot have seen the outcome of (see :meth:`renewed`)."""
         with self._lock:
-            stocks = list(self._stocks.values())
-        for st in stocks:
-            if st.lease in gone:
-                st.renewed.pop(shard, None)
-            else:
-                st.renewed[shard] = at
+            return self._answers
+
+    def renewed(self, shard: int, at: float, gone: set[str], mark: int) -> None:
+        """A sweep renewed this process's leases in a shard at ``at``, except those in
+        ``gone`` (not in the index when it ran: expired meanwhile, their slots may be someone
+        else's by now). Never waits for a writer: a stock whose lease is gone is no longer
+        trusted (see :meth:`_stock`), and its writer drops it before its next batch, or its
+        commit's reply replaces it. ``mark`` (:meth:`mark`, taken before the sweep was sent):
+        a stock a reply set since then is left alone, whatever the sweep said of its lease,
+        as that call may have run after the sweep (a writer's first lease, which the sweep
+        found missing); one that ran before it saved its slots with a fresh deadline, so the
+        sweep found it unless it held nothing."""
+        with self._lock:
+            for st in self._stocks.values():
+                if st.answered.get(shard, -1) > mark:
+                    continue
+                if st.lease in gone:
+                    st.renewed.pop(shard, None)
+                else:
+                    st.renewed[shard] = at
 
 
 def _runs(slots: Sequence[Slot]) -> list[tuple[int, int]]:
