@@ -444,7 +444,7 @@ def bench_probe(path: str, redis_url: str, repeat: int) -> dict[str, Any]:
         ns = be.namespace()
         fields = [entry_field(ns.ns_id, k) for k in keys]
         entries = a.key(0, "entries")
-        names = [f"{{{a.tag}:0}}:".encode() + f for f in fields]  # string keys as long as a shard key + field
+        names = [f"{{{a.home.shard_tags[0]}}}:".encode() + f for f in fields]  # string keys as long as a shard key + field
         values = r.hmget(entries, fields)
         r.mset(dict(zip(names, values)))
         missing = sgl_key()

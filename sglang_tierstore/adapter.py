@@ -31,7 +31,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from sglang_tierstore.config import TierStoreConfig, redact_url
+from sglang_tierstore.config import TierStoreConfig, describe_target
 from sglang_tierstore.embedded import embedded_running, ensure_embedded_redis, redis_dir, stop_embedded_redis
 from sglang_tierstore.errors import EmbeddedNotStarted, StoreDetached, StoreUnavailable, TierStoreError
 from sglang_tierstore import inspect
@@ -129,18 +129,17 @@ class TierStoreBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
         redis_password(self.cfg.redis_password_env, self.cfg.redis_password_file)
         redis_tls(self.cfg.redis_tls_ca_file, self.cfg.redis_tls_cert_file, self.cfg.redis_tls_key_file)
         created = check_dirs(self.cfg.path, self.modes)
-        embedded = self.cfg.redis_url is None
+        target = self.cfg.index_target
+        embedded = target is None
         started = False
         try:
-            if self.cfg.redis_url is None:
+            if target is None:
                 try:
-                    url, started = ensure_embedded_redis(self.cfg.path[0], self.modes, self.cfg.redis_server)
+                    target, started = ensure_embedded_redis(self.cfg.path[0], self.modes, self.cfg.redis_server)
                 except EmbeddedNotStarted as e:  # up answering misses; housekeeping starts it again
                     logger.warning("%s; answering misses until it runs", e)
-                    url = e.url
-            else:
-                url = self.cfg.redis_url
-            self.store = TierStore(self.cfg, url, metrics=Metrics(_rank(storage_config)))
+                    target = e.url
+            self.store = TierStore(self.cfg, target, metrics=Metrics(_rank(storage_config)))
         except BaseException:  # a failed start leaves nothing behind: what it started, what it created
             if started:
                 stop_embedded_redis(self.cfg.path[0])
@@ -160,7 +159,7 @@ class TierStoreBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
         self._closed = False
         self._calls = Gate()  # SGLang's calls in flight, which close() waits for
         logger.info("tierstore: index %s%s, page files under %s, capacity %.1f GiB", "embedded " if embedded else "",
-                    redact_url(url), ", ".join(self.cfg.path), self.cfg.capacity_gb)
+                    describe_target(target), ", ".join(self.cfg.path), self.cfg.capacity_gb)
 
     def _restart_embedded_redis(self) -> None:
         """Housekeeping found the index down: start the embedded Redis again if it died

@@ -37,7 +37,7 @@ from typing import Any, Optional, Sequence
 from prometheus_client.parser import text_string_to_metric_families
 
 from sglang_tierstore import inspect, plan
-from sglang_tierstore.config import MAX_CAPACITY_GB, MIN_CAPACITY_GB, TierStoreConfig, redact_url
+from sglang_tierstore.config import MAX_CAPACITY_GB, MIN_CAPACITY_GB, TierStoreConfig, describe_target, redact_url
 from sglang_tierstore.embedded import (
     embedded_running,
     ensure_embedded_redis,
@@ -112,7 +112,7 @@ def gather_stats(o: Opened, cfg: TierStoreConfig, counters: Optional[dict[str, f
                   for ns, (pb, desc) in sorted(o.store.namespaces().items())]
     return {
         "store": {"id": o.store_id, "prefix": cfg.redis_prefix, "paths": list(cfg.path)},
-        "index": {"url": redact_url(o.url), "embedded": o.embedded, "used_memory_bytes": facts.pop("index_memory_bytes")},
+        "index": {"url": describe_target(o.url), "embedded": o.embedded, "used_memory_bytes": facts.pop("index_memory_bytes")},
         **facts,
         "namespaces": namespaces,
         "counters": counters,
@@ -285,9 +285,10 @@ def _clear(args: argparse.Namespace, cfg: TierStoreConfig) -> int:
 
 
 def _redis(args: argparse.Namespace, cfg: TierStoreConfig) -> int:
-    if cfg.redis_url is not None:
-        raise CliError(USAGE, f"config key 'redis_url' is set ({redact_url(cfg.redis_url)}): `tierstore redis` runs "
-                              "only the embedded Redis, used when redis_url is unset")
+    if cfg.index_target is not None:
+        raise CliError(USAGE, f"the config names an index ({describe_target(cfg.index_target)}): `tierstore redis` "
+                              "runs only the embedded Redis, used when redis_url, redis_cluster and redis_sentinel "
+                              "are unset")
     path = cfg.path[0]
     if args.action == "start":
         created = check_dirs(cfg.path[:1], modes(cfg.file_access))

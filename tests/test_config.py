@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from sglang_tierstore.config import SETTINGS, TierStoreConfig, markdown_table
+from sglang_tierstore.config import SETTINGS, ClusterSeeds, SentinelGroup, TierStoreConfig, markdown_table
 from sglang_tierstore.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,6 +33,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         ({"file_size_mb": 4096}, "file_size_mb"),
         ({"redis_prefix": "a{b}"}, "redis_prefix"),
         ({"index_shards": 0}, "index_shards"),
+        ({"index_shards": 1025}, "index_shards"),
+        ({"redis_cluster": []}, "redis_cluster"),
+        ({"redis_cluster": ["h"]}, "redis_cluster"),
+        ({"redis_cluster": "h:1"}, "redis_cluster"),
+        ({"redis_cluster": ["h:70000"]}, "redis_cluster"),
+        ({"redis_cluster": ["http://h:1"]}, "redis_cluster"),
+        ({"redis_cluster": ["redis://h:1/3"]}, "redis_cluster"),
+        ({"redis_cluster": ["rediss://h:1", "redis://h:2"]}, "redis_cluster"),
+        ({"redis_sentinel": {"nodes": ["h:1"]}}, "redis_sentinel"),
+        ({"redis_sentinel": {"nodes": [], "master": "m"}}, "redis_sentinel"),
+        ({"redis_sentinel": {"nodes": ["h:1"], "master": ""}}, "redis_sentinel"),
+        ({"redis_sentinel": {"nodes": ["h:1"], "master": "m", "tsl": True}}, "redis_sentinel"),
+        ({"redis_sentinel": {"nodes": ["h:1"], "master": "m", "tls": "yes"}}, "redis_sentinel"),
+        ({"redis_sentinel": ["h:1"]}, "redis_sentinel"),
         ({"read_timeout_s": -0.5}, "read_timeout_s"),
         ({"read_timeout_s": float("inf")}, "read_timeout_s"),
         ({"read_timeout_s": "1s"}, "read_timeout_s"),
@@ -60,6 +74,7 @@ def test_limits_are_stated_and_enforced_at_both_ends() -> None:
     """Every number's limits are in the settings table, and a value just inside each
     limit is taken while one just outside is refused, naming the key and the limits."""
     numeric = {k: st for k, st in SETTINGS.items() if isinstance(st.default, (int, float)) and not isinstance(st.default, bool)}
+    numeric["index_shards"] = SETTINGS["index_shards"]  # unset by default: chosen from the index
     assert set(numeric) >= {"capacity_gb", "lease_s", "housekeeping_s", "io_threads", "index_shards", "redis_timeout_s"}
     for key, st in numeric.items():
         assert st.limits, f"{key} states no limits"
@@ -70,6 +85,26 @@ def test_limits_are_stated_and_enforced_at_both_ends() -> None:
     assert TierStoreConfig.from_dict({"path": "/x", "lease_s": 1, "housekeeping_s": 0.25}).lease_s == 1.0
     assert TierStoreConfig.from_dict({"path": "/x", "redis_prefix": "p" * 100}).redis_prefix == "p" * 100
     assert TierStoreConfig.from_dict({"path": "/x", "read_timeout_s": 0}).read_timeout_s == 0
+
+
+@pytest.mark.parametrize("given", [("redis_url", "redis_cluster"), ("redis_url", "redis_sentinel"),
+                                   ("redis_cluster", "redis_sentinel")])
+def test_one_way_to_the_index_at_most(given: tuple[str, str]) -> None:
+    values = {"redis_url": "redis://h:1/0", "redis_cluster": ["h:1", "h:2"],
+              "redis_sentinel": {"nodes": ["h:1"], "master": "m"}}
+    with pytest.raises(ConfigError, match=f"keys {given[0]!r}, {given[1]!r}: give one of them"):
+        TierStoreConfig.from_dict({"path": "/x", **{k: values[k] for k in given}})
+
+
+def test_a_cluster_or_a_sentinel_group_is_where_the_index_is() -> None:
+    c = TierStoreConfig.from_dict({"path": "/x", "redis_cluster": ["127.0.0.1:7000", "redis://svc@h:7001"]})
+    assert c.index_target == ClusterSeeds(("127.0.0.1:7000", "redis://svc@h:7001"))
+    s = TierStoreConfig.from_dict({"path": "/x", "redis_sentinel": {"nodes": ["h:26379"], "master": "ts", "tls": True},
+                                   "redis_tls_ca_file": "/ca.pem"})
+    assert s.index_target == SentinelGroup(("h:26379",), "ts", True, False)
+    assert TierStoreConfig.from_dict({"path": "/x"}).index_target is None  # the embedded index
+    with pytest.raises(ConfigError, match=r"'redis_cluster': a seed carries no password.*redis://:\*\*\*@h:1"):
+        TierStoreConfig.from_dict({"path": "/x", "redis_cluster": [f"redis://:{SECRET}@h:1"]})
 
 
 def test_a_lease_must_outlive_the_housekeeping_passes_that_renew_it() -> None:

@@ -19,7 +19,7 @@ from monitor import Monitor, monitor_args
 from engine_kit import MiB, engine, housekeep, pages, read, views
 
 from sglang_tierstore import TierStore, inspect
-from sglang_tierstore.schema import entry_fields, shard_key, shard_of
+from sglang_tierstore.schema import entry_fields, shard_of
 from sglang_tierstore.space.library import LIBRARY
 
 # Commands the functions may issue, all with exactly one key, right after the command name.
@@ -69,7 +69,7 @@ def workload(st: TierStore, later: list[float], tmp: str) -> None:
     read(st, ns, ks[-1:])
     a = st.space.attached()
     field = entry_fields(ns.ns_id, ks[-2:-1])[0]
-    st.index.hset(shard_key(a.tag, shard_of(field, a.geometry.shards), "entries"), {field: b"junk"})  # type: ignore[dict-item]
+    st.index.hset(a.key(shard_of(field, a.geometry.shards), "entries"), {field: b"junk"})  # type: ignore[dict-item]
     read(st, ns, ks[-2:-1])  # dropped unread: its slot's member is left without an entry...
     inspect.check(st, fix=True)  # ...which check repairs
     assert st.write(ns, keys(2, "stock"), views(src[:2]), False) == [True] * 2  # its commit restocks from free regions

@@ -1,17 +1,27 @@
-"""The Redis index connection: the only module that speaks Redis.
+"""The Redis index connection: the only package that speaks Redis.
 
 It knows commands and how to run a Lua library, not what the keys mean (``schema``
 names them and their values; the space layer's library holds the functions that change
-them). Every call goes through :meth:`RedisIndex._call`: connection trouble raises
-:class:`IndexUnavailable` and opens a breaker for ``retry_s``, during which calls fail
-at once instead of waiting on timeouts again. A function that finds its store gone
-raises :class:`StoreDetached`. Nothing is sent twice after a timeout or a dropped
-connection (a function whose reply was lost may have run); only replies that prove a
-call did not run (its library or script not loaded) are followed by a retry.
+them). The index is one server, a Sentinel group's primary, or the masters of a
+Redis/Valkey Cluster (:mod:`.topology`); every round trip is :meth:`RedisIndex._send`:
+commands grouped by the node serving their keys, each node's group one pipelined
+request, every node's request written before any reply is read, so a batch over all
+masters costs one round trip of wall time. Each node has a breaker: a node that fails
+makes its calls :class:`IndexUnavailable` for ``retry_s`` at once, while the others go
+on answering (a batch touching a dead master still answers its other shards: see the
+``*_each`` calls).
+
+Nothing is sent twice after a timeout or a dropped connection (a function whose reply
+was lost may have run). Only replies that prove a command did not run are followed by a
+retry: its library or script not loaded on that node (loaded, then resent), MOVED (the
+slot map is read again), ASK (resent with ASKING to the node named), TRYAGAIN and
+CLUSTERDOWN (resent after a short wait and a new slot map). redis-py's ``RedisCluster``
+is not used: it re-sends whole pipelines after connection errors and timeouts, refuses
+EVALSHA in pipelines, and has one state for all nodes; valkey-glide brings a runtime of
+its own for what is here a slot map and a redirect loop.
 
 A library runs as Redis Functions (FCALL) where the server has them, else as one script
-per function (EVALSHA): see :mod:`sglang_tierstore.space.library` for why. Several calls
-(one per shard) go out in one pipeline.
+per function (EVALSHA): see :mod:`sglang_tierstore.space.library` for why.
 
 A Redis shared with others can give tierstore an ACL user of its own that may touch only
 its keys with only the commands it sends (:func:`acl_rule`), and be reached over TLS
@@ -21,27 +31,37 @@ its keys with only the commands it sends (:func:`acl_rule`), and be reached over
 from __future__ import annotations
 
 import hashlib
-import threading
-from dataclasses import dataclass
 import time as mod_time
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, TypeVar, cast
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
-from sglang_tierstore.config import redact_url
 from sglang_tierstore.errors import ConfigError, IndexRefusesWrites, IndexUnavailable, StoreDetached, TierStoreError
+from sglang_tierstore.index.topology import (
+    ClusterSeeds,
+    Node,
+    SentinelGroup,
+    Target,
+    Topology,
+    Cluster,
+    masters_seen,
+    open_topology,
+    spread_suffixes,
+)
 from sglang_tierstore.perms import TlsFiles
 from sglang_tierstore.schema import STALE, key_globs
 
-T = TypeVar("T")
+__all__ = ["ACL_COMMANDS", "ClusterSeeds", "Library", "RedisIndex", "SentinelGroup", "Target", "acl_rule",
+           "password_state", "shutdown_unprotected", "spread_suffixes"]
 
 # Every command tierstore sends, its functions' included (Redis checks the commands a function
-# calls against its caller's ACL too; EVALSHA and SCRIPT LOAD for servers without functions). INFO is left out: only ``memory_used`` sends it, for
-# scripts/index_memory.py against an embedded Redis.
+# calls against its caller's ACL too; EVALSHA and SCRIPT LOAD for servers without functions;
+# CLUSTER SLOTS/SHARDS, COMMAND and ASKING for a cluster). INFO is left out: only ``memory_used``
+# sends it, for scripts/index_memory.py against an embedded Redis.
 ACL_COMMANDS = (
     "fcall", "function|load", "evalsha", "script|load", "multi", "exec", "exists", "unlink", "scan",
+    "cluster|slots", "cluster|shards", "command", "asking",
     "hexists", "hget", "hmget", "hgetall", "hvals", "hlen", "hstrlen", "hscan", "hset", "hsetnx", "hincrby", "hdel",
     "zadd", "zcard", "zrange", "zrangebyscore", "zscore", "zrem",
 )
@@ -138,97 +158,163 @@ def _load_functions(r: redis.Redis, code: str) -> None:
             raise
 
 
-def _tls_kwargs(url: str, tls: Optional[TlsFiles]) -> dict[str, Any]:
-    """redis-py's TLS arguments: a ``rediss://`` index must show a certificate that the CA
-    signed *for the host in the URL* (redis-py before 6 checks no host name unless told)."""
-    verify = {"ssl_cert_reqs": "required", "ssl_check_hostname": True} if url.startswith("rediss://") else {}
-    files = {"ssl_ca_certs": tls.ca_file, "ssl_certfile": tls.cert_file, "ssl_keyfile": tls.key_file} if tls else {}
-    return {**verify, **files}
+Command = tuple[Any, ...]
+# One unit of a round trip: the key that routes it, and its commands, sent together in order
+# (MULTI ... EXEC, or ASKING before a command). Its reply is the last command's, or its first error.
+Item = tuple[str, Sequence[Command]]
+
+_LINK_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
+_REDIRECTS = 5  # MOVED/ASK/TRYAGAIN/CLUSTERDOWN followed at most this often per item
+_SETTLE_S = 0.02  # first wait before resending after TRYAGAIN/CLUSTERDOWN (doubling: 0.62 s in all at most)
+# Replies of a cluster that cannot run a command now, from a healthy node: a slot being
+# migrated with the call's keys split (TRYAGAIN), a slot no master serves (CLUSTERDOWN).
+_CLUSTER_BUSY = (redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError)
+_NONE = object()
 
 
 class RedisIndex:
-    """One connection pool to the index's Redis (or Valkey), with a breaker."""
+    """The index's nodes (:mod:`.topology`), each with a breaker."""
 
     def __init__(
         self,
-        url: str,
+        target: Target,
         timeout_s: float,
         retry_s: float,
         clock: Callable[[], float] = mod_time.time,
         password: Optional[str] = None,
         tls: Optional[TlsFiles] = None,
     ) -> None:
+        """``target``: a URL (one server), :class:`ClusterSeeds` or :class:`SentinelGroup`."""
         self.retry_s = retry_s
-        self._url = url
         self._clock = clock
-        self._down_until = 0.0
-        self._down_lock = threading.Lock()
-
-        def client(retries: int) -> redis.Redis:
-            return redis.Redis.from_url(
-                url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), retries),
-                **({"password": password} if password is not None else {}), **_tls_kwargs(url, tls))
-
-        # Plain commands (each idempotent) get one immediate retry on a fresh connection,
-        # which covers a Redis restart (stale pooled sockets); the library's calls get
-        # none: one whose reply was lost to a timeout or a dropped connection may have run.
-        # The breaker bounds everything else.
-        self._r = client(1)
-        self._f = client(0)
+        self._topology: Topology = open_topology(target, timeout_s, retry_s, clock, password, tls)
         self._library: Optional[Library] = None
         self._shas: dict[str, str] = {}
-        self._mode = "functions"  # until the server answers FCALL with "unknown command"
+        self._mode = "functions"  # until a server answers FCALL with "unknown command"
         self._closed = False
 
-    # -- failure handling -----------------------------------------------------
+    @property
+    def name(self) -> str:
+        """What the index is, for messages (no password)."""
+        return self._topology.name
 
     @property
-    def available(self) -> bool:
-        """False while the breaker is open after a failure."""
-        return self._clock() >= self._down_until
+    def clustered(self) -> bool:
+        """Whether the index is a Redis/Valkey Cluster (its keys spread over masters by slot)."""
+        return isinstance(self._topology, Cluster)
 
-    def _call(self, fn: Callable[[], T]) -> T:
+    def masters(self) -> int:
+        """How many masters serve the index now (a cluster's slot map is read first)."""
+        self._check_open()
+        return masters_seen(self._topology)
+
+    # -- round trips ------------------------------------------------------------------
+
+    def _check_open(self) -> None:
         if self._closed:
             raise IndexUnavailable("the index connection is closed")
-        if not self.available:
-            raise IndexUnavailable("redis unavailable (backing off after a failure)")
-        try:
-            return fn()
-        except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
-            self._trip()
-            self._disconnect()  # idle pooled sockets are likely stale too (a restarted server)
-            raise IndexUnavailable(f"redis unavailable: {e}") from e
-        except redis.ResponseError as e:
-            msg = str(e)
-            if isinstance(e, redis.exceptions.NoPermissionError) or msg.startswith(_SCRIPT_DENIED):
-                raise TierStoreError(f"redis refused this user ({msg}); it needs the ACL rules of "
-                                     "sglang_tierstore.index.acl_rule(redis_prefix)") from e
-            if msg.startswith(STALE):
-                raise StoreDetached("the store is not in the index any more (dropped, or the index was lost)") from e
-            if isinstance(e, redis.exceptions.OutOfMemoryError):  # reads go on: no breaker
-                raise IndexRefusesWrites(f"the index is full (maxmemory, noeviction): writes refused: {msg}",
-                                         "index_full") from e
-            if isinstance(e, redis.exceptions.ReadOnlyError) or msg.startswith(_READ_ONLY):
-                raise IndexRefusesWrites(f"the index refuses writes: {msg}", "index_read_only") from e
-            if isinstance(e, _NOT_SERVING) or msg.startswith(_BUSY):
-                self._trip()
-                raise IndexUnavailable(f"redis not serving: {msg}") from e
-            if "DB index is out of range" in msg:
-                raise ConfigError(f"tierstore config key 'redis_url': {redact_url(self._url)} names a database the "
-                                  f"server does not have ({msg})") from e
-            raise TierStoreError(f"redis error: {msg}") from e
-        finally:
-            if self._closed:  # closed while this call ran: the connection it used (or opened) goes too
-                self._disconnect()
 
-    def _trip(self) -> None:
-        with self._down_lock:
-            self._down_until = self._clock() + self.retry_s
+    def _send(self, items: Sequence[Item]) -> list[Any]:
+        """Each item's reply, or the exception it ended in (a redis ``ResponseError`` as
+        the server gave it; :class:`IndexUnavailable` for a node that failed or whose
+        breaker is open), in one round trip per try; redirects followed."""
+        self._check_open()
+        topo = self._topology
+        out: list[Any] = [None] * len(items)
+        todo = list(range(len(items)))
+        ask: dict[int, Node] = {}
+        try:
+            for attempt in range(_REDIRECTS + 1):
+                topo.refresh_if_stale()
+                groups: dict[int, tuple[Node, list[int]]] = {}
+                for k in todo:
+                    try:
+                        node = ask.get(k) or topo.node_for(items[k][0])
+                    except IndexUnavailable as e:
+                        out[k] = e
+                        continue
+                    groups.setdefault(id(node), (node, []))[1].append(k)
+                replies = _exchange([(node, [self._commands(items[k], k in ask) for k in ks]) for node, ks in groups.values()])
+                retry, settle = [], False
+                ask = {}
+                for (node, ks), got in zip(groups.values(), replies):
+                    for k, o in zip(ks, got):
+                        out[k] = o
+                        if isinstance(o, redis.exceptions.MovedError):
+                            topo.moved(o.slot_id, o.host, int(o.port))
+                        elif isinstance(o, redis.exceptions.AskError):
+                            ask[k] = topo.node_at(o.host, int(o.port))
+                        elif isinstance(o, _CLUSTER_BUSY):
+                            settle = True
+                            topo.failed()
+                        else:
+                            continue
+                        retry.append(k)
+                if not retry or attempt == _REDIRECTS:
+                    break
+                if settle:
+                    mod_time.sleep(_SETTLE_S * (1 << attempt))
+                todo = retry
+        finally:
+            if self._closed:  # closed while this ran: the connections it used (or opened) go too
+                topo.close()
+        return out
+
+    @staticmethod
+    def _commands(item: Item, asking: bool) -> Sequence[Command]:
+        return [("ASKING",), *item[1]] if asking else item[1]
+
+    def _translate(self, o: Any, key: Optional[str]) -> Any:
+        """A reply as the caller sees it: a redis error becomes the TierStoreError saying
+        what it means (opening the breaker of its node for a server that cannot serve)."""
+        if not isinstance(o, Exception) or isinstance(o, TierStoreError):
+            return o
+        if isinstance(o, _LINK_ERRORS):
+            return IndexUnavailable(f"{self.name}: {o}")
+        msg = str(o)
+        if isinstance(o, redis.exceptions.NoPermissionError) or msg.startswith(_SCRIPT_DENIED):
+            return TierStoreError(f"redis refused this user ({msg}); it needs the ACL rules of "
+                                  "sglang_tierstore.index.acl_rule(redis_prefix)")
+        if msg.startswith(STALE):
+            return StoreDetached("the store is not in the index any more (dropped, or the index was lost)")
+        if isinstance(o, redis.exceptions.OutOfMemoryError):  # reads go on: no breaker
+            return IndexRefusesWrites(f"the index is full (maxmemory, noeviction): writes refused: {msg}", "index_full")
+        if isinstance(o, redis.exceptions.ReadOnlyError) or msg.startswith(_READ_ONLY):
+            return IndexRefusesWrites(f"the index refuses writes: {msg}", "index_read_only")
+        if isinstance(o, _CLUSTER_BUSY):  # the node is fine: no breaker
+            return IndexUnavailable(f"{self.name}: the cluster cannot serve this now ({msg})")
+        if isinstance(o, _NOT_SERVING) or msg.startswith(_BUSY):
+            if key is not None:
+                try:
+                    self._topology.node_for(key).trip()
+                except IndexUnavailable:
+                    pass
+            return IndexUnavailable(f"redis not serving: {msg}")
+        if "DB index is out of range" in msg:
+            return ConfigError(f"tierstore config key 'redis_url': {self.name} names a database the server does not "
+                               f"have ({msg})")
+        if isinstance(o, (redis.exceptions.MovedError, redis.exceptions.AskError)):
+            return IndexUnavailable(f"{self.name}: still redirected after {_REDIRECTS} tries ({msg})")
+        return TierStoreError(f"redis error: {msg}")
+
+    def _each(self, items: Sequence[Item]) -> list[Any]:
+        return [self._translate(o, it[0]) for o, it in zip(self._send(items), items)]
+
+    def _all(self, items: Sequence[Item]) -> list[Any]:
+        """Replies of every item; the first error raised once all are in."""
+        out = self._each(items)
+        for o in out:
+            if isinstance(o, Exception):
+                raise o
+        return out
+
+    def _one(self, key: str, *command: Any) -> Any:
+        return self._all([(key, [command])])[0]
 
     # -- the Lua library ------------------------------------------------------------
 
     def load(self, library: Library) -> None:
-        """Make the library's functions callable (it reaches the server on first use)."""
+        """Make the library's functions callable (it reaches each node on first use)."""
         self._library = library
         self._shas = {f: hashlib.sha1(text.encode()).hexdigest() for f, text in library.scripts.items()}
 
@@ -237,62 +323,65 @@ class RedisIndex:
         return self.calls([(function, keys, args)])[0]
 
     def calls(self, calls: Sequence[tuple[str, Sequence[str], Sequence[Any]]]) -> list[Any]:
-        """Run several functions in one pipelined round trip; results in call order.
+        """Run several functions in one round trip; results in call order, the first
+        error raised once all are in."""
+        out = self.calls_each(calls)
+        for o in out:
+            if isinstance(o, Exception):
+                raise o
+        return out
+
+    def calls_each(self, calls: Sequence[tuple[str, Sequence[str], Sequence[Any]]]) -> list[Any]:
+        """Run several functions (each on the node serving its keys) in one round trip:
+        each call's result, or the TierStoreError it ended in.
 
         As FCALL where the server has functions, else as EVALSHA (see
         :mod:`sglang_tierstore.space.library`). A call whose reply says its library or
-        script is not loaded (first use, FUNCTION FLUSH, SCRIPT FLUSH, a restart without
-        persistence) did not run: the library is loaded and that call, and only that one,
-        sent again. Nothing else is ever sent twice."""
+        script is not loaded on its node (first use, FUNCTION FLUSH, SCRIPT FLUSH, a
+        restart without persistence) did not run: the library is loaded there and that
+        call, and only that one, sent again."""
         if self._library is None:
             raise TierStoreError("no Lua library loaded into this index connection")
         library = self._library
-
-        def send(mode: str, todo: Sequence[int]) -> list[Any]:
-            """Replies to the calls at positions ``todo``, in one round trip."""
-            def one(c: redis.Redis | Any, k: int) -> Any:
-                f, keys, args = calls[k]
-                if mode == "functions":
-                    return c.fcall(library.function(f), len(keys), *keys, *args)
-                return c.evalsha(self._shas[f], len(keys), *keys, *args)
-
-            if len(todo) == 1:  # no pipeline for one call: less Python on the hot path
-                try:
-                    return [one(self._f, todo[0])]
-                except redis.ResponseError as e:
-                    return [e]
-            pipe = self._f.pipeline(transaction=False)
-            for k in todo:
-                one(pipe, k)
-            return list(pipe.execute(raise_on_error=False))
-
-        def run() -> list[Any]:
-            out: list[Any] = [None] * len(calls)
-            todo = list(range(len(calls)))
-            loaded = False
-            while True:  # sent again: only calls whose reply proves they did not run (at most twice more)
-                mode = self._mode
-                for k, o in zip(todo, send(mode, todo)):
+        out: list[Any] = [None] * len(calls)
+        todo = list(range(len(calls)))
+        loaded = False
+        while todo:  # sent again: only calls whose reply proves they did not run (at most twice more)
+            mode = self._mode
+            items = [(calls[k][1][0], [self._command(library, mode, calls[k])]) for k in todo]
+            for k, o in zip(todo, self._send(items)):
+                out[k] = o
+            if mode == "functions" and any(_unknown_command(out[k]) for k in todo):
+                self._mode = "scripts"  # a server without functions: the same code as scripts
+                todo = [k for k in todo if _unknown_command(out[k])]
+                continue
+            missing = [k for k in todo if _not_loaded(out[k])]
+            if not missing or loaded:
+                break
+            loaded, todo = True, []
+            for k, o in zip(missing, self._load_on([calls[k] for k in missing], library, mode)):
+                if o is None:
+                    todo.append(k)
+                else:
                     out[k] = o
-                if mode == "functions" and any(_unknown_command(out[k]) for k in todo):
-                    self._mode = "scripts"  # a server without functions: the same code as scripts
-                    todo = [k for k in todo if _unknown_command(out[k])]
-                    continue
-                missing = [k for k in todo if _not_loaded(out[k])]
-                if missing and not loaded:
-                    if mode == "functions":
-                        _load_functions(self._r, library.code)
-                    else:
-                        for f in {calls[k][0] for k in missing}:
-                            self._r.script_load(library.scripts[f])
-                    loaded, todo = True, missing
-                    continue
-                for o in out:
-                    if isinstance(o, Exception):
-                        raise o
-                return out
+        return [self._translate(o, calls[k][1][0]) for k, o in enumerate(out)]
 
-        return self._call(run)
+    def _command(self, library: Library, mode: str, call: tuple[str, Sequence[str], Sequence[Any]]) -> Command:
+        f, keys, args = call
+        if mode == "functions":
+            return ("FCALL", library.function(f), len(keys), *keys, *args)
+        return ("EVALSHA", self._shas[f], len(keys), *keys, *args)
+
+    def _load_on(self, calls: Sequence[tuple[str, Sequence[str], Sequence[Any]]], library: Library,
+                 mode: str) -> list[Any]:
+        """Load the library on the nodes serving these calls' keys (one round trip):
+        None per call now loaded, else the error loading it there ended in."""
+        if mode == "functions":
+            items: list[Item] = [(c[1][0], [("FUNCTION", "LOAD", library.code)]) for c in calls]
+        else:
+            items = [(c[1][0], [("SCRIPT", "LOAD", library.scripts[c[0]])]) for c in calls]
+        return [None if not isinstance(o, Exception) or "already exists" in str(o) else o  # loaded by another process
+                for o in self._send(items)]
 
     @property
     def uses_functions(self) -> bool:
@@ -303,96 +392,151 @@ class RedisIndex:
 
     def hmget(self, parts: Sequence[tuple[str, Sequence[bytes]]]) -> list[list[Optional[bytes]]]:
         """HMGET of fields in several hashes, in one round trip (one command per hash)."""
-        if not any(f for _, f in parts):
-            return [[] for _ in parts]
+        out = self.hmget_each(parts)
+        for o in out:
+            if isinstance(o, Exception):
+                raise o
+        return out
 
-        def run() -> list[list[Optional[bytes]]]:
-            if len(parts) == 1:
-                return [cast(list[Optional[bytes]], self._r.hmget(parts[0][0], list(parts[0][1])))]
-            pipe = self._r.pipeline(transaction=False)
-            for key, fields in parts:
-                if fields:
-                    pipe.hmget(key, list(fields))
-            res = iter(pipe.execute())
-            return [next(res) if fields else [] for _, fields in parts]
-
-        return self._call(run)
+    def hmget_each(self, parts: Sequence[tuple[str, Sequence[bytes]]]) -> list[Any]:
+        """As :meth:`hmget`, each hash's values or the TierStoreError reading it ended in."""
+        asked = [k for k, (_, fields) in enumerate(parts) if fields]
+        out: list[Any] = [[] for _ in parts]
+        got = self._each([(parts[k][0], [("HMGET", parts[k][0], *parts[k][1])]) for k in asked]) if asked else []
+        for k, o in zip(asked, got):
+            out[k] = o
+        return out
 
     def zadd_newer(self, key: str, members: Mapping[int, float]) -> None:
         """Raise the recency of members that still exist (ZADD XX GT)."""
         if members:
-            mapping = {str(m): score for m, score in members.items()}
-            self._call(lambda: self._r.zadd(key, mapping, xx=True, gt=True))
+            flat = [x for m, score in members.items() for x in (repr(float(score)), str(m))]
+            self._one(key, "ZADD", key, "XX", "GT", *flat)
 
     def hgetall(self, key: str) -> dict[bytes, bytes]:
-        return cast(dict[bytes, bytes], self._call(lambda: self._r.hgetall(key)))
+        return _pairs(self._one(key, "HGETALL", key))
 
     def hset(self, key: str, mapping: Mapping[str, Any]) -> None:
-        self._call(lambda: self._r.hset(key, mapping=cast(Any, dict(mapping))))
+        self._one(key, "HSET", key, *(x for kv in mapping.items() for x in kv))
 
     def hsetnx_all(self, key: str, mapping: Mapping[str, Any]) -> dict[str, str]:
         """Set fields not yet set, atomically as a whole; return the hash afterwards."""
-
-        def run() -> dict[str, str]:
-            pipe = self._r.pipeline(transaction=True)
-            for k, v in mapping.items():
-                pipe.hsetnx(key, k, v)
-            pipe.hgetall(key)
-            got: dict[bytes, bytes] = pipe.execute()[-1]
-            return {k.decode(): v.decode() for k, v in got.items()}
-
-        return self._call(run)
+        cmds: list[Command] = [("MULTI",), *(("HSETNX", key, k, v) for k, v in mapping.items()), ("HGETALL", key), ("EXEC",)]
+        got = _pairs(self._all([(key, cmds)])[0][-1])
+        return {k.decode(): v.decode() for k, v in got.items()}
 
     def hdel(self, key: str, *fields: str) -> int:
-        return int(self._call(lambda: self._r.hdel(key, *fields)))
+        return int(self._one(key, "HDEL", key, *fields))
 
     def hscan(self, key: str, cursor: int, count: int, match: Optional[bytes] = None) -> tuple[int, dict[bytes, bytes]]:
         """One HSCAN step: bounded work per call."""
-        return cast(tuple[int, dict[bytes, bytes]], self._call(lambda: self._r.hscan(key, cursor, match=match, count=count)))
+        nxt, flat = self._one(key, "HSCAN", key, cursor, *(("MATCH", match) if match is not None else ()), "COUNT", count)
+        return int(nxt), _pairs(flat)
 
     def hlen(self, key: str) -> int:
-        return int(self._call(lambda: self._r.hlen(key)))
+        return int(self._one(key, "HLEN", key))
 
     def unlink(self, keys: Sequence[str]) -> int:
-        """Remove keys (one command each, pipelined: they may live on different cluster slots)."""
-        return sum(self._each(keys, lambda p, k: p.unlink(k)))
+        """Remove keys (one command each: they may live on different nodes), one round trip."""
+        return sum(int(x) for x in self._all([(k, [("UNLINK", k)]) for k in keys]))
 
     def exists(self, keys: Sequence[str]) -> int:
-        """How many of these keys exist (one command each, pipelined)."""
-        return sum(self._each(keys, lambda p, k: p.exists(k)))
-
-    def _each(self, keys: Sequence[str], op: Callable[[Any, str], Any]) -> list[int]:
-        if not keys:
-            return []
-
-        def run() -> list[int]:
-            pipe = self._r.pipeline(transaction=False)
-            for k in keys:
-                op(pipe, k)
-            return [int(x) for x in pipe.execute()]
-
-        return self._call(run)
+        """How many of these keys exist (one command each), one round trip."""
+        return sum(int(x) for x in self._all([(k, [("EXISTS", k)]) for k in keys]))
 
     def scan_keys(self, match: str) -> Iterator[bytes]:
-        """Keys matching a pattern, a bounded SCAN step per round trip."""
-        cursor = 0
-        while True:
-            cursor, keys = cast(tuple[int, list[bytes]], self._call(lambda: self._r.scan(cursor, match=match, count=1000)))
-            yield from keys
-            if cursor == 0:
-                return
+        """Keys matching a pattern on every master, a bounded SCAN step per round trip."""
+        self._check_open()
+        for node in self._topology.masters():
+            cursor = 0
+            while True:
+                cursor, keys = self._on(node, lambda c: c.scan(cursor, match=match, count=1000))
+                yield from keys
+                if cursor == 0:
+                    break
 
     def memory_used(self) -> int:
-        return int(self._call(lambda: self._r.info("memory"))["used_memory"])
+        """Bytes of memory the index's masters use, summed."""
+        self._check_open()
+        return sum(int(self._on(n, lambda c: c.info("memory"))["used_memory"]) for n in self._topology.masters())
+
+    def _on(self, node: Node, fn: Callable[[redis.Redis], Any]) -> Any:
+        """A command that is not about a key (SCAN, INFO), sent to one node."""
+        if not node.available:
+            raise IndexUnavailable(f"{node.name}: unavailable (backing off after a failure)")
+        try:
+            return fn(node.client)
+        except _LINK_ERRORS as e:
+            node.trip()
+            raise IndexUnavailable(f"{node.name}: {e}") from e
+        except redis.ResponseError as e:
+            if isinstance(e, _NOT_SERVING) and not isinstance(e, _CLUSTER_BUSY):
+                node.trip()
+            raise self._translate(e, None) from e
 
     def close(self) -> None:
         """Disconnect; every later call raises :class:`IndexUnavailable`. A call running
         now is left to finish (no socket is shut under it, so nothing is sent twice by
-        a retry): its connection is dropped when it returns."""
+        a retry): its connections are dropped when it returns."""
         self._closed = True
-        self._disconnect()
+        self._topology.close()
 
-    def _disconnect(self) -> None:
-        """Drop the idle pooled connections (one in use is dropped when its call returns)."""
-        for c in (self._r, self._f):
-            c.connection_pool.disconnect(inuse_connections=False)
+
+def _pairs(flat: Any) -> dict[bytes, bytes]:
+    if isinstance(flat, dict):
+        return flat
+    return dict(zip(flat[::2], flat[1::2]))
+
+
+def _exchange(groups: Sequence[tuple[Node, Sequence[Sequence[Command]]]]) -> list[list[Any]]:
+    """One round trip to several nodes: every node's pipelined request is written before
+    any reply is read. Per node, each item's reply (its last command's, or its first
+    error); a node whose breaker is open, or that fails, gives every item of its group
+    :class:`IndexUnavailable` (and opens its breaker). Nothing is retried."""
+    out: list[list[Any]] = []
+    sent: list[tuple[int, Node, Any, Sequence[Sequence[Command]]]] = []
+    for node, items in groups:
+        if not node.available:
+            out.append([IndexUnavailable(f"{node.name}: unavailable (backing off after a failure)")] * len(items))
+            continue
+        pool = node.client.connection_pool
+        conn = None
+        try:
+            conn = pool.get_connection()
+            conn.send_packed_command(conn.pack_commands([c for cmds in items for c in cmds]), check_health=False)
+        except _LINK_ERRORS as e:
+            out.append([_failed(node, pool, conn, e)] * len(items))
+            continue
+        except redis.ResponseError as e:  # refused while connecting (AUTH, SELECT of a database it lacks)
+            out.append([e] * len(items))
+            continue
+        out.append([])
+        sent.append((len(out) - 1, node, conn, items))
+    for slot, node, conn, items in sent:
+        pool = node.client.connection_pool
+        try:
+            for cmds in items:
+                reply: Any = _NONE
+                for _ in cmds:
+                    try:
+                        r = conn.read_response()
+                    except redis.ResponseError as e:
+                        r = e
+                    if not isinstance(reply, Exception):  # an item's first error is its reply
+                        reply = r
+                out[slot].append(reply)
+        except _LINK_ERRORS as e:
+            err = _failed(node, pool, conn, e)
+            out[slot] += [err] * (len(items) - len(out[slot]))
+            continue
+        pool.release(conn)
+    return out
+
+
+def _failed(node: Node, pool: Any, conn: Any, e: BaseException) -> IndexUnavailable:
+    """A node that failed mid-exchange: its connection dropped, its breaker opened."""
+    if conn is not None:
+        conn.disconnect()
+        pool.release(conn)
+    node.trip()
+    return IndexUnavailable(f"redis unavailable ({node.name}): {e}")

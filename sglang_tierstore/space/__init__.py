@@ -114,10 +114,11 @@ class Reservation:
 
     def _place(self) -> None:
         a, pb = self._a, self.page_bytes
-        a.fill_stock(pb, {s: len(idx) for s, idx in self.parts.items()})
+        failed = a.fill_stock(pb, {s: len(idx) for s, idx in self.parts.items()})
         slots: dict[int, Slot] = {}
         for s, idx in self.parts.items():
             slots.update(zip(idx, a.leases.take(s, pb, len(idx))))
+        unreached = sum(len(self.parts[s]) for s in failed)  # counted as their shard's failure
         g = a.geometry
         regions = {sl.region for sl in slots.values()}
         refs = a.files.refs({g.file_of(r) for r in regions})
@@ -128,8 +129,8 @@ class Reservation:
             if where is not None:  # the rest (a file not ready any more): given up at commit
                 self.places.append(Place(i, where[0], where[1] + sl.slot * step))
         self.slots = slots
-        full = len(self.fields) - len(slots)
-        if full:
+        full = len(self.fields) - len(slots) - unreached
+        if full > 0:
             a.metrics.pages("write", "full", full)
             a.log.warning("full", "no slot for %d page(s) of %d bytes (every region pinned by writers, or pages larger "
                           "than the store's %d-byte regions)", full, pb, g.region_bytes)
@@ -165,7 +166,10 @@ class Reservation:
                 a.leases.forget_stock(s)  # the next call answers the lease as Redis has it
             raise
         status: dict[int, int] = {}
-        for (_, done, _, _, _), rep in zip(calls, replies):
+        for (s, done, _, _, _), rep in zip(calls, replies):
+            if isinstance(rep, IndexUnavailable):
+                a.shard_failed(s, rep)
+                continue
             status.update(zip(done, rep.status))
             a.settled(rep)
         return status
@@ -201,7 +205,7 @@ class Attachment:
 
     def key(self, shard: int, name: str) -> str:
         """One key of a shard by its name in ``schema.SHARD_KEYS``."""
-        return shard_key(self.tag, shard, name)
+        return shard_key(self.home.shard_tags[shard], name)
 
     # -- writes ------------------------------------------------------------------------
 
@@ -212,24 +216,38 @@ class Attachment:
         self.on_use()
         return Reservation(self, page_bytes, fields)
 
-    def fill_stock(self, page_bytes: int, need: Mapping[int, int]) -> None:
+    def fill_stock(self, page_bytes: int, need: Mapping[int, int]) -> set[int]:
         """Make this thread's stock hold ``need[shard]`` slots of this size where it can:
-        one lease call for every short shard; more only to add page files."""
+        one lease call for every short shard; more only to add page files. Returns the
+        shards whose calls failed (their nodes are down) while others answered."""
+        failed: set[int] = set()
         for _ in range(LEASE_ROUNDS):
-            short = {s: n for s, n in need.items() if self.leases.stocked(s, page_bytes) < n}
+            short = {s: n for s, n in need.items() if s not in failed and self.leases.stocked(s, page_bytes) < n}
             if not short:
-                return
+                return failed
             retry = False
             for s, rep in self.leases.lease(page_bytes, short).items():
+                if isinstance(rep, IndexUnavailable):
+                    self.shard_failed(s, rep)
+                    failed.add(s)
+                    continue
                 self.settled(rep)
                 if rep.too_big:
                     self.metrics.pages("write", "too_big", short[s])
-                    return
+                    return failed
                 if rep.need_file:
                     self.files.add(s)
                     retry = True
             if not retry:
-                return
+                return failed
+        return failed
+
+    def shard_failed(self, shard: int, e: IndexUnavailable) -> None:
+        """A shard's call failed while others answered (its node is down: a cluster master):
+        counted and logged; its pages are misses or not stored."""
+        self.metrics.error(e.kind)
+        self.log.warning(f"shard_{e.kind}", "index shard %d failed (%s): its pages are misses or not stored; the other "
+                         "shards go on", shard, e)
 
     def settled(self, rep: Reply) -> None:
         """After a lease or commit call: count its evictions, give its fresh regions space."""
@@ -394,7 +412,7 @@ class Space:
         nothing) or holds a region (the region size is the store's for good)."""
         a = self.attached()
         check_capacity(a.geometry.region_bytes, capacity, a.geometry.shards)
-        attach.set_capacity(self.index, a.tag, a.geometry, capacity)
+        attach.set_capacity(self.index, a.home, capacity)
         a.capacity = capacity
         self.cfg = self.cfg.with_capacity(capacity)  # a store created anew gets it too
 

@@ -56,9 +56,9 @@ from sglang_tierstore.errors import (
     StoreDirsUnavailable,
     TierStoreError,
 )
-from sglang_tierstore.index import RedisIndex
+from sglang_tierstore.index import RedisIndex, spread_suffixes
 from sglang_tierstore.perms import PRIVATE, Modes, describe_owner, own_dir, write_file
-from sglang_tierstore.schema import CONF_FIELDS, FORMAT, glob_escape, meta_key, shard_keys, store_keys, store_tag
+from sglang_tierstore.schema import CONF_FIELDS, FORMAT, glob_escape, meta_key, shard_keys, shard_tags, store_keys, store_tag
 from sglang_tierstore.space.geometry import Geometry, region_bytes_for, regions_per_file_for
 from sglang_tierstore.tags import load_key, read_key
 
@@ -67,6 +67,7 @@ logger = logging.getLogger(__name__)
 GiB = 1 << 30
 
 MARKER = "store.json"
+SHARDS_PER_MASTER = 4  # a cluster store's default shards per master: load spreads, a reshard moves a quarter
 _SAFE = re.compile(r"^[A-Za-z0-9_.-]+$")
 _LEGACY_KINDS = ("e", "c", "free", "pend", "lease", "lru", "bad")
 _LEGACY_DIR = re.compile(r"^c\d+$")
@@ -94,12 +95,13 @@ class Home:
     geometry: Geometry
     dirs: dict[str, str]  # directory id -> the store's page directory in it
     tag: str  # the hash tag of its keys (schema.store_tag)
+    shard_tags: tuple[str, ...]  # each shard's hash tag (schema.shard_tags)
     entry_key: bytes  # the store's key for entry tags (:mod:`sglang_tierstore.tags`)
     capacity: int  # the store's capacity when joined (bytes); replies from the index keep it current
 
     def shard_keys(self, shard: int) -> list[str]:
         """Every key of a shard, in the order its functions take them."""
-        return shard_keys(self.tag, shard)
+        return shard_keys(self.shard_tags[shard])
 
     def file_identity(self) -> dict[str, object]:
         """What the header of each of its page files says of the store."""
@@ -176,7 +178,8 @@ def observe(index: RedisIndex, prefix: str, paths: Sequence[str]) -> Home:
         raise NoStore(f"store {store_id} (prefix {prefix!r}) is in format {meta.get('format', '?')}; this build "
                       f"reads format {FORMAT} (a server of this build drops and re-creates it at start-up)")
     dirs = {m["dir"]: store_dir(p, prefix, store_id) for p, m in zip(paths, markers) if m and m["store"] == store_id}
-    return Home(prefix, _geometry(store_id, meta), dirs, store_tag(prefix, store_id), read_key(list(dirs.values())),
+    tag = store_tag(prefix, store_id)
+    return Home(prefix, _geometry(store_id, meta), dirs, tag, shard_tags(tag, meta), read_key(list(dirs.values())),
                 int(meta["capacity"]))
 
 
@@ -212,23 +215,24 @@ def drop_legacy(index: RedisIndex, prefix: str, paths: Sequence[str]) -> bool:
     return True
 
 
-def _drop_store(index: RedisIndex, prefix: str, store_id: str, shards: int, paths: Sequence[str], why: str) -> None:
+def _drop_store(index: RedisIndex, prefix: str, store_id: str, meta: dict[str, str], paths: Sequence[str],
+                why: str) -> None:
     tag = store_tag(prefix, store_id)
-    index.unlink(store_keys(tag, max(1, shards)))
+    index.unlink(store_keys(tag, shard_tags(tag, meta)))
     for p in paths:
         shutil.rmtree(store_dir(p, prefix, store_id), ignore_errors=True)
     logger.warning("tierstore: dropped store %s (prefix %r): %s; starting an empty one", store_id, prefix, why)
 
 
-def attach(index: RedisIndex, prefix: str, paths: Sequence[str], capacity: int, shards: int, now: float,
+def attach(index: RedisIndex, prefix: str, paths: Sequence[str], capacity: int, shards: Optional[int], now: float,
            first: bool, largest_page: Optional[int], access: Modes = PRIVATE) -> Home:
     """Adopt or create the store these directories belong to (see the module docstring).
 
     ``first``: this process's first attach (stores of other formats and the layout before
     regions are dropped then). ``largest_page``: the largest page the process knows it
     will store; None: adopt only (NoStoreYet when there is no store to adopt). Creating
-    a store: ``capacity`` and ``shards`` (ConfigError if ``capacity`` cannot hold pages
-    that large). IndexUnavailable (IndexRefusesWrites) if the index cannot do what is
+    a store: ``capacity`` and ``shards`` (None: 1 on one server, 4 x the masters of a
+    cluster; ConfigError if ``capacity`` cannot hold pages that large). IndexUnavailable (IndexRefusesWrites) if the index cannot do what is
     needed; StoreDirsUnavailable if the directories cannot take what must be written
     (a full disk: ``perms.check_dirs`` has shown them writable)."""
     try:
@@ -244,7 +248,7 @@ def attach(index: RedisIndex, prefix: str, paths: Sequence[str], capacity: int, 
         raise StoreDirsUnavailable(f"the store's directories cannot be written now ({e.filename}: {e.strerror})") from e
 
 
-def _attach_locked(index: RedisIndex, prefix: str, paths: Sequence[str], capacity: int, shards: int, now: float,
+def _attach_locked(index: RedisIndex, prefix: str, paths: Sequence[str], capacity: int, shards: Optional[int], now: float,
                    first: bool, largest_page: Optional[int], access: Modes) -> Home:
     markers = [_read_marker(p, prefix) for p in paths]
     ids = _one_store(markers)
@@ -260,7 +264,7 @@ def _attach_locked(index: RedisIndex, prefix: str, paths: Sequence[str], capacit
         elif int(meta.get("format", 0)) != FORMAT:
             why = f"it was written in format {meta.get('format')} and this build reads format {FORMAT}"
         if why:
-            _drop_store(index, prefix, store_id, int(meta.get("shards", 1)), paths, why)
+            _drop_store(index, prefix, store_id, meta, paths, why)
             store_id, meta = None, {}
     if store_id is None:
         if largest_page is None:
@@ -271,15 +275,19 @@ def _attach_locked(index: RedisIndex, prefix: str, paths: Sequence[str], capacit
             rb = region_bytes_for(capacity, largest_page)
         except ValueError as e:
             raise ConfigError(f"tierstore config key 'capacity_gb': {e}") from None
+        if shards is None:
+            shards = SHARDS_PER_MASTER * index.masters() if index.clustered else 1
         shards = max(1, min(shards, capacity // rb))  # every shard gets a region at least
         meta = {"format": str(FORMAT), "region_bytes": str(rb), "shards": str(shards), "capacity": str(capacity),
+                "shard_tags": ",".join(spread_suffixes(store_tag(prefix, store_id), shards)),
                 "regions_per_file": str(regions_per_file_for(capacity, rb, len(paths))), "created": repr(mod_time.time())}
         meta = index.hsetnx_all(meta_key(store_tag(prefix, store_id), "meta"), meta)
     tag = store_tag(prefix, store_id)
     geometry = _geometry(store_id, meta)
+    stags = shard_tags(tag, meta)
     for s in range(geometry.shards):  # a creator that died between the two leaves them to the next
-        if not index.exists([shard_keys(tag, s)[0]]):
-            index.hsetnx_all(shard_keys(tag, s)[0], shard_conf(geometry, s, int(meta["capacity"])))
+        if not index.exists([shard_keys(stags[s])[0]]):
+            index.hsetnx_all(shard_keys(stags[s])[0], shard_conf(geometry, s, int(meta["capacity"])))
     if int(meta["capacity"]) != capacity:
         logger.warning("tierstore: store %s (prefix %r) has capacity %.3f GiB; this process's capacity_gb %.3f is not "
                        "applied (a store's capacity is its own: `tierstore resize` changes it)",
@@ -300,14 +308,14 @@ def _attach_locked(index: RedisIndex, prefix: str, paths: Sequence[str], capacit
         report_dirs(index, tag, dirs, now)
     except IndexRefusesWrites as e:  # a hint for retiring directories: the next audit reports again
         logger.warning("tierstore: reporting this process's directories failed (%s); the next audit does", e)
-    return Home(prefix, geometry, dirs, tag, entry_key, int(meta["capacity"]))
+    return Home(prefix, geometry, dirs, tag, stags, entry_key, int(meta["capacity"]))
 
 
-def set_capacity(index: RedisIndex, tag: str, geometry: Geometry, capacity: int) -> None:
+def set_capacity(index: RedisIndex, home: Home, capacity: int) -> None:
     """Record a new capacity; housekeeping in every process evicts down to it."""
-    index.hset(meta_key(tag, "meta"), {"capacity": capacity})
-    for s in range(geometry.shards):
-        index.hset(shard_keys(tag, s)[0], {"cap": geometry.capacity_share(capacity, s)})
+    index.hset(meta_key(home.tag, "meta"), {"capacity": capacity})
+    for s in range(home.geometry.shards):
+        index.hset(home.shard_keys(s)[0], {"cap": home.geometry.capacity_share(capacity, s)})
 
 
 def report_dirs(index: RedisIndex, tag: str, dirs: dict[str, str], now: float) -> None:
@@ -339,4 +347,4 @@ def forget_dir(index: RedisIndex, tag: str, dir_id: str) -> None:
 def shard_conf(geometry: Geometry, shard: int, capacity: int) -> dict[str, object]:
     """A new shard's conf hash (``schema.CONF_FIELDS``)."""
     return dict(zip(CONF_FIELDS, (geometry.store_id, geometry.capacity_share(capacity, shard), 0, geometry.region_bytes,
-                                  geometry.regions_per_file, geometry.shards, shard, 0, 0, 0)))
+                                  geometry.regions_per_file, geometry.shards, shard, 0, 0)))

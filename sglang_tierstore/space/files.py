@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import queue
+import secrets
 import threading
 from typing import Callable, Iterable, Optional
 
@@ -68,7 +69,7 @@ class Files:
 
     def records(self, shard: int) -> dict[int, FileRecord]:
         """The index's records of a shard's files (one HGETALL)."""
-        raw = self.index.hgetall(shard_key(self.home.tag, shard, "files"))
+        raw = self.index.hgetall(shard_key(self.home.shard_tags[shard], "files"))
         return {int(k): parse_file_record(v) for k, v in raw.items()}
 
     def refs(self, numbers: Iterable[int]) -> dict[int, FileRef]:
@@ -103,7 +104,8 @@ class Files:
                 return
             self._added[shard] += 1
             f, dir_id, uid = self.index.call("add_file", self.home.shard_keys(shard),
-                                             [self.home.geometry.store_id, repr(self.clock()), self.dirs])
+                                             [self.home.geometry.store_id, repr(self.clock()), self.dirs,
+                                              secrets.token_hex(8)])
             ref = FileRef(int(f), _text(dir_id), _text(uid))
             if not self.wait_s:
                 self._make(shard, ref)

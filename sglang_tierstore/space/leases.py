@@ -19,8 +19,9 @@ its lease was renewed within half its term (housekeeping renews it every pass).
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
+from sglang_tierstore.errors import IndexUnavailable
 from sglang_tierstore.index import RedisIndex
 from sglang_tierstore.schema import NEED_FILE, TOO_BIG, round_up
 from sglang_tierstore.space.attach import Home
@@ -64,6 +65,9 @@ class Reply(NamedTuple):
     evicted: int
     pages_evicted: int
     capacity_regions: int  # the shard's capacity as the index has it now
+
+
+Answer = Union[Reply, IndexUnavailable]  # a shard's reply, or the error its call ended in (its node failed)
 
 
 class _Stock:
@@ -173,41 +177,56 @@ class Leases:
         now = self.clock()
         return [self.geometry.store_id, lease, repr(now), repr(now + self.lease_s), self.dirs]
 
-    def _answered(self, mine: _Stock, shards: Sequence[int], sent: float, outs: Sequence[Any]) -> list[Reply]:
-        replies = [_reply(o) for o in outs]
+    def _answered(self, mine: _Stock, shards: Sequence[int], sent: float, outs: Sequence[Any]) -> list[Answer]:
+        """Each shard's reply, or the IndexUnavailable its call ended in (that shard's stock
+        is forgotten: the call may have run). Raises the first error when every call failed,
+        and any other error (a detached store, a refused user) at once."""
+        for o in outs:
+            if isinstance(o, Exception) and not isinstance(o, IndexUnavailable):
+                raise o
+        if outs and all(isinstance(o, Exception) for o in outs):
+            for s in shards:
+                mine.ranges.pop(s, None)
+            raise outs[0]
+        replies: list[Answer] = [o if isinstance(o, Exception) else _reply(o) for o in outs]
         with self._lock:  # against renewed(): a sweep sent before this reply must not undo it
             self._answers += 1
             for s, rep in zip(shards, replies):
+                if isinstance(rep, Exception):
+                    mine.ranges.pop(s, None)
+                    continue
                 mine.ranges[s] = rep.stock
                 mine.renewed[s] = sent
                 mine.answered[s] = self._answers
                 self.capacity_regions[s] = rep.capacity_regions
         return replies
 
-    def lease(self, page_bytes: int, want: dict[int, int]) -> dict[int, Reply]:
+    def lease(self, page_bytes: int, want: dict[int, int]) -> dict[int, Answer]:
         """Lease slots of this size, up to ``want[shard]`` in this thread's stock, evicting
-        where nothing is free (they are needed now): one round trip for every shard."""
+        where nothing is free (they are needed now): one round trip for every shard. A
+        shard whose node failed answers its error (see :meth:`_answered`)."""
         mine = self._mine()
         with mine.lock:
             sent = self.clock()
             shards = list(want)
-            outs = self.index.calls([("lease", self._keys[s], [*self._head(mine.lease), page_bytes, want[s]])
-                                     for s in shards])
+            outs = self.index.calls_each([("lease", self._keys[s], [*self._head(mine.lease), page_bytes, want[s]])
+                                          for s in shards])
             return dict(zip(shards, self._answered(mine, shards, sent, outs)))
 
-    def commit(self, page_bytes: int, calls: Sequence[tuple[int, Commits, Sequence[Slot], int]]) -> list[Reply]:
+    def commit(self, page_bytes: int, calls: Sequence[tuple[int, Commits, Sequence[Slot], int]]) -> list[Answer]:
         """One ``commit`` per (shard, commits, give-ups, slots wanted in stock afterwards),
         in one round trip.
 
         commits: pages written, in slot order (consecutive slots of a region travel, and
         are committed, as one run); give-ups: slots written in vain, in slot order.
         Statuses come back in the order of the commits. Each reply's stock replaces this thread's for
-        that shard (the slots taken by :meth:`take` are gone from both)."""
+        that shard (the slots taken by :meth:`take` are gone from both). A shard whose node
+        failed answers its error (see :meth:`_answered`): its pages may or may not be stored."""
         mine = self._mine()
         with mine.lock:
             sent = self.clock()
-            outs = self.index.calls([("commit", self._keys[s], self._commit_args(mine.lease, page_bytes, c, gu, want))
-                                     for s, c, gu, want in calls])
+            outs = self.index.calls_each([("commit", self._keys[s], self._commit_args(mine.lease, page_bytes, c, gu, want))
+                                          for s, c, gu, want in calls])
             return self._answered(mine, [s for s, _, _, _ in calls], sent, outs)
 
     def _commit_args(self, lease: str, page_bytes: int, commits: Commits, give_up: Sequence[Slot],

@@ -1,6 +1,7 @@
 -- files: a page file's life in the index: creating, ready, lost, forgotten.
 
--- args: store id, now, the caller's directory ids (csv, in order of preference).
+-- args: store id, now, the caller's directory ids (csv, in order of preference), a uid
+-- (random: an index rolled back by a failover never issues a file's identity twice).
 -- Starts a new page file (state CREATING) in the caller's directory holding the fewest
 -- files. Answers {file number, directory id, uid}.
 local function add_file(keys, args)
@@ -10,25 +11,27 @@ local function add_file(keys, args)
   local all = redis.call('HGETALL', K_FILES)
   for k = 1, #all, 2 do
     local rec = parse_file(all[k + 1])
+    if rec.uid == args[4] then return {tonumber(all[k]), rec.dir, rec.uid} end  -- this call, sent again
     if rec.state ~= LOST and count[rec.dir] then count[rec.dir] = count[rec.dir] + 1 end
   end
   local best = order[1]
   for _, d in ipairs(order) do if count[d] < count[best] then best = d end end
   local f = tonumber(redis.call('HGET', K_CONF, 'next_file'))
   redis.call('HSET', K_CONF, 'next_file', f + tonumber(redis.call('HGET', K_CONF, 'shards')))
-  local uid = redis.call('HINCRBY', K_CONF, 'uid', 1)
+  local uid = args[4]
   redis.call('HSET', K_FILES, f, file_value({dir = best, uid = uid, state = CREATING, since = args[2]}))
   redis.call('HINCRBY', K_CONF, 'creating', 1)
-  return {f, best, tostring(uid)}
+  return {f, best, uid}
 end
 
 -- args: store id, file number, its uid. The file exists on disk: its regions become
--- holes (allocatable). Answers 1, or 0 if the creation was forgotten meanwhile (too
--- slow: the caller removes the file).
+-- holes (allocatable). Answers 1 (also when sent again), or 0 if the creation was
+-- forgotten meanwhile (too slow: the caller removes the file).
 local function file_ready(keys, args)
   if not begin(keys, args[1]) then return stale() end
   local f = tonumber(args[2])
   local rec = parse_file(redis.call('HGET', K_FILES, f))
+  if rec and rec.uid == args[3] and rec.state == READY then return 1 end
   if not rec or rec.uid ~= args[3] or rec.state ~= CREATING then return 0 end
   rec.state = READY
   redis.call('HSET', K_FILES, f, file_value(rec))
