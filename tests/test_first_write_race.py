@@ -68,8 +68,8 @@ def test_a_first_write_raced_by_its_own_housekeeping_sweep_still_stores(tmp_path
         real_answered = att_b.leases._answered
         calls = [0]
 
-        def answered(*args: Any) -> Any:
-            out = real_answered(*args)
+        def answered(*args: Any, **kw: Any) -> Any:
+            out = real_answered(*args, **kw)
             calls[0] += 1
             if calls[0] == 2 and hk.is_alive():  # round 2's reply is in: now the sweep's is applied
                 apply.set()

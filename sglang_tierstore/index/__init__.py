@@ -170,6 +170,9 @@ _SETTLE_S = 0.02  # first wait before resending after TRYAGAIN/CLUSTERDOWN (doub
 # migrated with the call's keys split (TRYAGAIN), a slot no master serves (CLUSTERDOWN).
 _CLUSTER_BUSY = (redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError)
 _NONE = object()
+# Encodes every request before any is sent (an argument Redis cannot take raises then): a
+# connection that is never connected, used only for its stateless command packer.
+_PACKER = redis.connection.Connection()
 
 
 class RedisIndex:
@@ -240,10 +243,15 @@ class RedisIndex:
                 for (node, ks), got in zip(groups.values(), replies):
                     for k, o in zip(ks, got):
                         out[k] = o
-                        if isinstance(o, redis.exceptions.MovedError):
-                            topo.moved(o.slot_id, o.host, int(o.port))
-                        elif isinstance(o, redis.exceptions.AskError):
-                            ask[k] = topo.node_at(o.host, int(o.port))
+                        if isinstance(o, (redis.exceptions.MovedError, redis.exceptions.AskError)):
+                            # an empty host: the node that replied; '?': not known to it (the map is read again)
+                            host = o.host or node.name.rsplit(":", 1)[0]
+                            if host == "?":
+                                topo.failed()
+                            elif isinstance(o, redis.exceptions.MovedError):
+                                topo.moved(o.slot_id, host, int(o.port))
+                            else:
+                                ask[k] = topo.node_at(host, int(o.port))
                         elif isinstance(o, _CLUSTER_BUSY):
                             settle = True
                             topo.failed()
@@ -495,24 +503,36 @@ def _exchange(groups: Sequence[tuple[Node, Sequence[Sequence[Command]]]]) -> lis
     :class:`IndexUnavailable` (and opens its breaker). Nothing is retried."""
     out: list[list[Any]] = []
     sent: list[tuple[int, Node, Any, Sequence[Sequence[Command]]]] = []
-    for node, items in groups:
-        if not node.available:
-            out.append([IndexUnavailable(f"{node.name}: unavailable (backing off after a failure)")] * len(items))
-            continue
-        pool = node.client.connection_pool
-        conn = None
-        try:
-            conn = pool.get_connection()
-            conn.send_packed_command(conn.pack_commands([c for cmds in items for c in cmds]), check_health=False)
-        except _LINK_ERRORS as e:
-            out.append([_failed(node, pool, conn, e)] * len(items))
-            continue
-        except redis.ResponseError as e:  # refused while connecting (AUTH, SELECT of a database it lacks)
-            out.append([e] * len(items))
-            continue
-        out.append([])
-        sent.append((len(out) - 1, node, conn, items))
-    for slot, node, conn, items in sent:
+    requests = [_PACKER.pack_commands([c for cmds in items for c in cmds]) for _, items in groups]  # DataError here
+    try:
+        for (node, items), request in zip(groups, requests):
+            if not node.available:
+                out.append([IndexUnavailable(f"{node.name}: unavailable (backing off after a failure)")] * len(items))
+                continue
+            pool = node.client.connection_pool
+            conn = None
+            try:
+                conn = pool.get_connection()
+                conn.send_packed_command(request, check_health=False)
+            except _LINK_ERRORS as e:
+                out.append([_failed(node, pool, conn, e)] * len(items))
+                continue
+            except redis.ResponseError as e:  # refused while connecting (AUTH, SELECT of a database it lacks)
+                out.append([e] * len(items))
+                continue
+            except BaseException:
+                if conn is not None:
+                    conn.disconnect()
+                    pool.release(conn)
+                raise
+            out.append([])
+            sent.append((len(out) - 1, node, conn, items))
+    except BaseException:  # what was sent may have run: its connections are dropped, its replies never read
+        for _, node, conn, _ in sent:
+            conn.disconnect()
+            node.client.connection_pool.release(conn)
+        raise
+    for n, (slot, node, conn, items) in enumerate(sent):
         pool = node.client.connection_pool
         try:
             for cmds in items:
@@ -529,8 +549,14 @@ def _exchange(groups: Sequence[tuple[Node, Sequence[Sequence[Command]]]]) -> lis
             err = _failed(node, pool, conn, e)
             out[slot] += [err] * (len(items) - len(out[slot]))
             continue
+        except BaseException:  # this connection and those not read yet are dropped: their replies stay unread
+            for _, other, c, _ in sent[n:]:
+                c.disconnect()
+                other.client.connection_pool.release(c)
+            raise
         pool.release(conn)
     return out
+
 
 
 def _failed(node: Node, pool: Any, conn: Any, e: BaseException) -> IndexUnavailable:

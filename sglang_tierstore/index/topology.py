@@ -137,6 +137,7 @@ class Cluster(Topology):
         self._slots: list[Optional[Node]] = [None] * SLOTS
         self._stale = True
         self._next_refresh = 0.0
+        self._refreshing = threading.Lock()
 
     def node_at(self, host: str, port: int) -> Node:
         with self._lock:
@@ -154,23 +155,35 @@ class Cluster(Topology):
     def masters(self) -> list[Node]:
         return list({id(n): n for n in self._slots if n is not None}.values())
 
+    def close(self) -> None:
+        with self._lock:
+            nodes = list(self._nodes.values())
+        for n in nodes:  # seeds, redirect targets and former masters too
+            n.disconnect()
+
     def moved(self, slot: int, host: str, port: int) -> None:
-        slots = list(self._slots)
-        slots[slot] = self.node_at(host, port)
-        self._slots = slots
-        self._stale = True
-        self._next_refresh = 0.0
+        node = self.node_at(host, port)
+        with self._lock:
+            slots = list(self._slots)
+            slots[slot] = node
+            self._slots = slots
+            self._stale = True
+            self._next_refresh = 0.0
 
     def failed(self) -> None:
         self._stale = True
 
     def refresh_if_stale(self) -> None:
-        if self._stale and self._clock() >= self._next_refresh:
+        """One thread reads the map at a time; the others go on with the map they have."""
+        if not (self._stale and self._clock() >= self._next_refresh) or not self._refreshing.acquire(blocking=False):
+            return
+        try:
+            self.refresh()
+        except IndexUnavailable:
+            pass  # the calls that follow fail on their own nodes' breakers
+        finally:
             self._next_refresh = self._clock() + self.REFRESH_S
-            try:
-                self.refresh()
-            except IndexUnavailable:
-                pass  # the calls that follow fail on their own nodes' breakers
+            self._refreshing.release()
 
     def refresh(self) -> None:
         """Read the slot map from the first node that answers: known masters whose
@@ -187,8 +200,10 @@ class Cluster(Topology):
             except (redis.ConnectionError, redis.TimeoutError, OSError, redis.ResponseError) as e:
                 errors.append(f"{node.name}: {e}")
                 continue
-            self._slots = self._parse(raw, node)
-            self._stale = False
+            slots = self._parse(raw, node)
+            with self._lock:
+                self._slots = slots
+                self._stale = False
             return
         raise IndexUnavailable(f"{self.name}: no node answers CLUSTER SLOTS ({'; '.join(errors)})")
 

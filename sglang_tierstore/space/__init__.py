@@ -219,28 +219,35 @@ class Attachment:
     def fill_stock(self, page_bytes: int, need: Mapping[int, int]) -> set[int]:
         """Make this thread's stock hold ``need[shard]`` slots of this size where it can:
         one lease call for every short shard; more only to add page files. Returns the
-        shards whose calls failed (their nodes are down) while others answered."""
-        failed: set[int] = set()
+        shards whose calls failed (their nodes are down) while others answered, counted
+        and logged; raises the first IndexUnavailable when every shard of the batch failed."""
+        failed: dict[int, IndexUnavailable] = {}
+        self._lease_rounds(page_bytes, need, failed)
+        if failed and len(failed) == len(need):
+            raise next(iter(failed.values()))
+        for s, e in failed.items():
+            self.shard_failed(s, e)
+        return set(failed)
+
+    def _lease_rounds(self, page_bytes: int, need: Mapping[int, int], failed: dict[int, IndexUnavailable]) -> None:
         for _ in range(LEASE_ROUNDS):
             short = {s: n for s, n in need.items() if s not in failed and self.leases.stocked(s, page_bytes) < n}
             if not short:
-                return failed
+                return
             retry = False
             for s, rep in self.leases.lease(page_bytes, short).items():
                 if isinstance(rep, IndexUnavailable):
-                    self.shard_failed(s, rep)
-                    failed.add(s)
+                    failed[s] = rep
                     continue
                 self.settled(rep)
                 if rep.too_big:
                     self.metrics.pages("write", "too_big", short[s])
-                    return failed
+                    return
                 if rep.need_file:
                     self.files.add(s)
                     retry = True
             if not retry:
-                return failed
-        return failed
+                return
 
     def shard_failed(self, shard: int, e: IndexUnavailable) -> None:
         """A shard's call failed while others answered (its node is down: a cluster master):

@@ -177,14 +177,15 @@ class Leases:
         now = self.clock()
         return [self.geometry.store_id, lease, repr(now), repr(now + self.lease_s), self.dirs]
 
-    def _answered(self, mine: _Stock, shards: Sequence[int], sent: float, outs: Sequence[Any]) -> list[Answer]:
+    def _answered(self, mine: _Stock, shards: Sequence[int], sent: float, outs: Sequence[Any],
+                  all_or_raise: bool = True) -> list[Answer]:
         """Each shard's reply, or the IndexUnavailable its call ended in (that shard's stock
-        is forgotten: the call may have run). Raises the first error when every call failed,
-        and any other error (a detached store, a refused user) at once."""
+        is forgotten: the call may have run). Raises any other error (a detached store, a
+        refused user) at once, and with ``all_or_raise`` the first when every call failed."""
         for o in outs:
             if isinstance(o, Exception) and not isinstance(o, IndexUnavailable):
                 raise o
-        if outs and all(isinstance(o, Exception) for o in outs):
+        if all_or_raise and outs and all(isinstance(o, Exception) for o in outs):
             for s in shards:
                 mine.ranges.pop(s, None)
             raise outs[0]
@@ -211,7 +212,7 @@ class Leases:
             shards = list(want)
             outs = self.index.calls_each([("lease", self._keys[s], [*self._head(mine.lease), page_bytes, want[s]])
                                           for s in shards])
-            return dict(zip(shards, self._answered(mine, shards, sent, outs)))
+            return dict(zip(shards, self._answered(mine, shards, sent, outs, all_or_raise=False)))
 
     def commit(self, page_bytes: int, calls: Sequence[tuple[int, Commits, Sequence[Slot], int]]) -> list[Answer]:
         """One ``commit`` per (shard, commits, give-ups, slots wanted in stock afterwards),
