@@ -4,6 +4,11 @@ Reads the JSON SGLang is given (``--hicache-storage-backend-extra-config``: inli
 file ``PATH`` or ``@PATH`` ending in .json, .toml or .yaml) from ``--config`` or
 ``$TIERSTORE_CONFIG``.
 
+``gc`` lists (and with ``--yes`` removes) store directories under ``path`` that the index
+does not hold and where nothing changed for an hour: on a shared filesystem a node never
+removes another store's directory by itself, since its own index lacking a store proves
+nothing for the fleet.
+
 ``stats``, ``check``, ``clear`` and ``exporter`` look at a store that exists and create
 none: directories that are missing or hold no store marker, or an index that does not hold
 the store they name, are reported (exit 4) and left alone, and the embedded Redis is joined
@@ -31,6 +36,7 @@ import json
 import logging
 import os
 import sys
+import time
 import urllib.request
 from typing import Any, Optional, Sequence
 
@@ -50,6 +56,7 @@ from sglang_tierstore.errors import ConfigError, IndexUnavailable, NoStore, Tier
 from sglang_tierstore.exporter import run_exporter
 from sglang_tierstore.inspect import Opened, index_url, open_store
 from sglang_tierstore.perms import check_dirs, modes, remove_created
+from sglang_tierstore.space import attach
 from sglang_tierstore.store import Namespace, open_index
 
 logger = logging.getLogger(__name__)
@@ -247,6 +254,27 @@ def _resize(args: argparse.Namespace, cfg: TierStoreConfig) -> int:
     return OK
 
 
+def _gc(args: argparse.Namespace, cfg: TierStoreConfig) -> int:
+    """Store directories under the config's paths that the config's index does not hold, and
+    where nothing changed for ``--min-age-s``: listed, and removed with ``--yes``."""
+    idx = open_index(cfg, index_url(cfg, args.start_redis)[0])
+    try:
+        found = attach.unclaimed(idx, cfg.redis_prefix, cfg.path, time.time() - args.min_age_s)
+    except IndexUnavailable as e:
+        raise CliError(UNREACHABLE, f"cannot reach the index at {describe_target(index_url(cfg, False)[0])}: {e}") from None
+    finally:
+        idx.close()
+    for store_id, d in found:
+        if args.yes:
+            attach.remove_store_dir(d)
+        print(f"{'removed' if args.yes else 'would remove'} {d} (store {store_id}: the index holds nothing for it)")
+    if not found:
+        print("nothing to remove: every store directory here is held by the index, or changed recently")
+    elif not args.yes:
+        print("run again with --yes to remove them (only against the index every node of these directories uses)")
+    return OK
+
+
 def _confirm(question: str) -> bool:
     if not sys.stdin.isatty():
         raise CliError(USAGE, "clear asks before it deletes, and there is no terminal to ask on: pass --yes")
@@ -380,6 +408,12 @@ def _parser() -> argparse.ArgumentParser:
     cl.add_argument("--namespace", action="append", metavar="ID", help="a namespace id (from stats); repeatable")
     cl.add_argument("--yes", action="store_true", help="do not ask (needed without a terminal)")
     cl.set_defaults(run=_clear)
+
+    g = sub.add_parser("gc", parents=[joins], help="remove store directories no store in the index claims")
+    g.add_argument("--min-age-s", type=float, default=3600.0, metavar="S",
+                   help="leave directories where anything changed within S seconds (default 3600)")
+    g.add_argument("--yes", action="store_true", help="remove them (default: list them)")
+    g.set_defaults(run=_gc)
 
     r = sub.add_parser("redis", parents=[common], help="start, stop or show the embedded Redis")
     r.add_argument("action", choices=("start", "stop", "status"))

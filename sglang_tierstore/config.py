@@ -111,6 +111,10 @@ def _optional_str(v: Any) -> Optional[str]:
     return None if v is None else _str(v)
 
 
+def _optional_bool(v: Any) -> Optional[bool]:
+    return None if v is None else _bool(v)
+
+
 def _optional(check: Check) -> Check:
     return Check(lambda v: None if v is None else check(v), f"unset, or {check.limits}")
 
@@ -375,6 +379,8 @@ SETTINGS: dict[str, Setting] = {
     "redis_tls_ca_file": Setting(None, _optional_str, "PEM file of the CA that signed the certificate of a `rediss://` index (unset: the system's CAs)."),
     "redis_tls_cert_file": Setting(None, _optional_str, "PEM file of this client's certificate, for a `rediss://` index that authenticates clients (`tls-auth-clients yes`); with `redis_tls_key_file`."),
     "redis_tls_key_file": Setting(None, _optional_str, "PEM file of the (unencrypted) private key of `redis_tls_cert_file`; it must be owned by this user and not readable by others."),
+    "shared_fs": Setting(None, _optional_bool, "Whether `path` is on a filesystem other nodes write too (NFS, CephFS, Lustre, JuiceFS, 3FS, ...). Unset: detected from the mount's type. Shared: buffered reads bypass this node's page cache, and a page that fails its checksum is read again uncached before its entry is dropped."),
+    "node_name": Setting(None, _optional_str, "This node's name among the nodes sharing a store (a shared filesystem, one index): in the attach lock's token and the directories' reports. Unset: the host name."),
     "file_access": Setting("private", _choice("private", "group"), "`private`: directories 0700 and files 0600 (page files, markers, the embedded Redis's files), whatever the umask; `group`: 0750 and 0640, for an operator's tools running as another user of the group."),
 }
 
@@ -433,6 +439,8 @@ class TierStoreConfig:
     redis_tls_ca_file: Optional[str] = SETTINGS["redis_tls_ca_file"].default
     redis_tls_cert_file: Optional[str] = SETTINGS["redis_tls_cert_file"].default
     redis_tls_key_file: Optional[str] = SETTINGS["redis_tls_key_file"].default
+    shared_fs: Optional[bool] = SETTINGS["shared_fs"].default
+    node_name: Optional[str] = SETTINGS["node_name"].default
     file_access: str = SETTINGS["file_access"].default
 
     @property

@@ -3,19 +3,26 @@
 Each of a store's directories holds, for prefix ``P`` and store id ``X``::
 
     <dir>/tierstore-<P>/store.json          which store this directory belongs to (space.attach)
+    <dir>/tierstore-<P>/<X>/store.json      store X's own marker: its store and directory ids
     <dir>/tierstore-<P>/<X>/f000012.pages   page file 12 of store X
 
 A page file is a 4 KiB header (JSON: the store's identity, file number and uid) and then
-the store's regions (:mod:`sglang_tierstore.space.geometry`). Which directory holds file
+the store's regions (:mod:`sglang_tierstore.space.geometry`); it is created at its full
+size, sparse, so its size never changes (a reader on another node of a shared filesystem
+never sees a length that lags a writer's). Which directory holds file
 ``n`` and which uid it carries are the index's (a :class:`FileRef` the space layer hands
 down with every call), never derived from the list of directories, so adding or removing
 a directory moves nothing, and nothing here ever asks the index.
 
 A file is opened only if its header names the store, number and uid of its ref.
-Deleting or replacing a file is noticed on open, by :meth:`PageFiles.still_there`
-(its path must still lead to the inode we use), and by a short read: :class:`FileGone`.
-Every other failure (EMFILE, ENOMEM, EIO, EACCES...) is a :class:`PageIOError`: a miss
-or a failed write that leaves the index alone.
+Deleting or replacing a file is noticed on open, and by :meth:`PageFiles.still_there`
+(its path must still lead to the inode we use): :class:`FileGone`, which the space layer
+acts on only once :meth:`PageFiles.identified` shows the directory is the store's (its
+own marker readable and naming it, its filesystem the one seen at start): an unmounted
+share, a directory that is briefly not there, a cache that lags another node are misses,
+never a file declared lost for the whole fleet. A short read is a miss too. Every other
+failure (EMFILE, ENOMEM, EIO, EACCES...) is a :class:`PageIOError`: a miss or a failed
+write that leaves the index alone.
 
 A slot holds the page's bytes and nothing else, so a run of pages in adjacent slots
 moves in one ``preadv``/``pwritev``. The index vouches for what a slot holds: its
@@ -39,6 +46,8 @@ import xxhash
 from sglang_tierstore.errors import FileGone, PageIOError
 from sglang_tierstore.perms import PRIVATE, Modes, create_file
 from sglang_tierstore.schema import HEADER_BYTES
+
+MARKER = "store.json"  # a store directory's own marker (written by space.attach)
 
 MAGIC = "tierstore-pages"
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
@@ -85,15 +94,20 @@ class PageFiles:
     """Open page files of one store, positioned I/O of runs of slots."""
 
     def __init__(self, identity: Mapping[str, object], dirs: Mapping[str, str], o_direct: bool,
-                 modes: Modes = PRIVATE, read_only: bool = False) -> None:
+                 modes: Modes = PRIVATE, read_only: bool = False, shared: Optional[bool] = False) -> None:
         """``identity``: what every file's header says of the store (prefix, store id,
         geometry); ``dirs``: directory id -> the store's directory there (made by
         attaching); ``read_only``: files are opened for reading only (an operator's tool,
         which may read a store it may not write), and anything that would change one is a
-        PageIOError."""
+        PageIOError. ``shared``: the directories are on a filesystem other nodes write too
+        (None: detected, :func:`shared_fs`): buffered reads drop the range from the page
+        cache first (another node may have rewritten it), and :meth:`read_uncached` is there
+        for a page that fails its checksum."""
+        self.shared = any(shared_fs(d) for d in dirs.values()) if shared is None else shared
         self.modes = modes
         self.identity = dict(identity)
         self.dirs = dict(dirs)
+        self._fsids = {d: _fsid(p) for d, p in self.dirs.items()}  # each directory's filesystem, as seen at start
         self.o_direct = o_direct and hasattr(os, "O_DIRECT")
         self.read_only = read_only
         self._open: dict[int, _Open] = {}
@@ -128,6 +142,7 @@ class PageFiles:
             fd = create_file(tmp, self.modes, os.O_RDWR)
             try:
                 os.pwrite(fd, self.header(ref), 0)
+                os.ftruncate(fd, self.file_bytes())  # full size, sparse: regions get space when allocated
                 os.fdatasync(fd)
             finally:
                 os.close(fd)
@@ -138,6 +153,25 @@ class PageFiles:
             except OSError:
                 pass
             raise PageIOError(e.errno, f"cannot create page file {final}: {e.strerror}") from e
+
+    def file_bytes(self) -> int:
+        """A page file's size: its header and all its regions."""
+        return HEADER_BYTES + int(str(self.identity["regions_per_file"])) * int(str(self.identity["region_bytes"]))
+
+    def identified(self, dir_id: str) -> bool:
+        """Whether the store's directory ``dir_id`` is provably there: its own marker readable
+        and naming this store and directory, on the filesystem seen at start. Only then does
+        a file missing from it prove the file gone (see the module docstring)."""
+        d = self.dirs.get(dir_id)
+        if d is None:
+            return False
+        try:
+            with open(os.path.join(d, MARKER)) as f:
+                doc = json.load(f)
+        except (OSError, ValueError):
+            return False
+        return (isinstance(doc, dict) and doc.get("store") == self.identity.get("store") and doc.get("dir") == dir_id
+                and _fsid(d) == self._fsids.get(dir_id))
 
     def remove(self, file_no: int, dir_id: str) -> None:
         """Remove a file the index does not (or no longer) account for."""
@@ -314,11 +348,24 @@ class PageFiles:
         with self._using(ref) as h:
             fd = h.dfd if aligned and h.dfd >= 0 else h.fd
             try:
+                if self.shared and fd == h.fd:  # bypass what this node's cache may still hold of it
+                    os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
                 n = os.preadv(fd, bufs, offset)
             except OSError as e:
                 raise PageIOError(e.errno, f"read at {offset} of {h.path} failed: {e.strerror}") from e
-        if n != nbytes:
-            raise FileGone(errno.ESTALE, f"short read at {offset} of {h.path} ({n} of {nbytes} bytes): the file was truncated")
+        if n != nbytes:  # files never change size: a filesystem that shows a lagging length (a miss, nothing dropped)
+            raise PageIOError(errno.EIO, f"short read at {offset} of {h.path} ({n} of {nbytes} bytes)")
+
+    def read_uncached(self, ref: FileRef, offset: int, nbytes: int) -> bytes:
+        """The bytes at ``offset`` as the filesystem has them now, not as this node's page
+        cache kept them: for a page that failed its checksum on a shared filesystem, before
+        anything is dropped."""
+        with self._using(ref) as h:
+            try:
+                os.posix_fadvise(h.fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
+                return os.pread(h.fd, nbytes, offset)
+            except OSError as e:
+                raise PageIOError(e.errno, f"read at {offset} of {h.path} failed: {e.strerror}") from e
 
     def write(self, ref: FileRef, offset: int, bufs: Sequence[memoryview], nbytes: int, aligned: bool) -> None:
         """Write ``bufs`` (``nbytes``, adjacent slots) at ``offset`` with one pwritev."""
@@ -372,3 +419,39 @@ def _pwritev_all(fd: int, bufs: Sequence[memoryview], off: int, length: int) -> 
         return n
     rest = b"".join(bytes(b) for b in bufs)[n:]
     return n + os.pwrite(fd, rest, off + n)
+
+
+def _fsid(path: str) -> Optional[int]:
+    """The filesystem id of the filesystem holding ``path`` (None if it cannot be read)."""
+    try:
+        return os.statvfs(path).f_fsid
+    except OSError:
+        return None
+
+
+# Filesystems whose files other nodes write too (mountinfo's type): network and cluster
+# filesystems, and FUSE clients of them.
+SHARED_TYPES = frozenset({"nfs", "nfs4", "ceph", "lustre", "9p", "cifs", "smb3", "glusterfs", "gpfs", "beegfs",
+                          "virtiofs", "afs", "ocfs2", "gfs2", "fuse.ceph-fuse", "fuse.juicefs", "fuse.glusterfs",
+                          "fuse.3fs", "fuse.hf3fs", "fuse.sshfs", "fuse.s3fs", "fuse.gcsfuse", "fuse.weka"})
+
+
+def shared_fs(path: str) -> bool:
+    """Whether ``path`` is on a filesystem other nodes may write (its mount's type, from
+    /proc/self/mountinfo; False where that cannot be read)."""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return False
+    real = os.path.realpath(path)
+    best, fstype = "", ""
+    for ln in lines:
+        head, _, tail = ln.partition(" - ")
+        parts = head.split()
+        if len(parts) < 5 or not tail:
+            continue
+        mnt = parts[4].replace("\\040", " ")
+        if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+            best, fstype = mnt, tail.split()[0]
+    return fstype in SHARED_TYPES

@@ -340,7 +340,8 @@ class TierStore:
                     a.files.failure("io_read", run[0].file.number, o)
                     continue
                 for p in run:
-                    if checksum(dests[p.pos]) == entries[p.pos].checksum:
+                    if checksum(dests[p.pos]) == entries[p.pos].checksum or self._reread(a, p, dests[p.pos], entries[p.pos],
+                                                                                         ns.page_bytes):
                         results[p.pos] = True
                     elif a.files.current(p.file.number):
                         raw = raws[p.pos]
@@ -358,6 +359,22 @@ class TierStore:
             self._drop(a, bad)
         self.metrics.observe("read", mod_time.perf_counter() - t0)
         return results
+
+    def _reread(self, a: Attachment, p: Place, dest: Regions, e: Entry, page_bytes: int) -> bool:
+        """On a shared filesystem, a page that failed its checksum is read again past this
+        node's page cache (another node may have rewritten the slot since this node cached
+        it); True, with ``dest`` filled, if it verifies now."""
+        if not a.pages.shared:
+            return False
+        try:
+            raw = a.pages.read_uncached(p.file, p.offset, page_bytes)
+        except PageIOError:
+            return False
+        if len(raw) != page_bytes or checksum([memoryview(raw)]) != e.checksum:
+            return False
+        _scatter(memoryview(raw), [dest])
+        self.metrics.error("stale_cache")
+        return True
 
     def _read_direct(self, a: Attachment, runs: list[Run], dests: Sequence[Regions], page_bytes: int,
                      aligned: bool) -> Generator[tuple[int, object], None, None]:

@@ -1,7 +1,9 @@
 """A disk that stops answering, for tests: a FUSE passthrough whose reads can be held.
 
-``python3 stallfs.py BACKING MOUNTPOINT`` mounts BACKING at MOUNTPOINT (``direct_io``:
-every read reaches this process, none is served from the page cache) and takes commands
+``python3 stallfs.py BACKING MOUNTPOINT [cached]`` mounts BACKING at MOUNTPOINT
+(``direct_io``: every read reaches this process, none is served from the page cache; with
+``cached``: ``kernel_cache`` instead, so this mount's page cache keeps what it read even
+after the backing file changes, as a shared filesystem's client cache may) and takes commands
 on stdin, one per line, each answered ``ok`` on stdout:
 
 - ``stall [OP ...]``: operations OP (``read``, the default; ``write``; ``open``: opening
@@ -33,11 +35,12 @@ MNT_DETACH = 2
 class StalledDisk:
     """Runs ``stallfs.py`` over ``backing`` at ``mountpoint`` (test side)."""
 
-    def __init__(self, backing: str, mountpoint: str) -> None:
+    def __init__(self, backing: str, mountpoint: str, cached: bool = False) -> None:
         os.makedirs(backing, exist_ok=True)
         os.makedirs(mountpoint, exist_ok=True)
         self.mountpoint = mountpoint
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), backing, mountpoint],
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), backing, mountpoint,
+                                      *(["cached"] if cached else [])],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self._lines: queue.SimpleQueue[str] = queue.SimpleQueue()
         threading.Thread(target=self._pump, args=(self.proc.stdout,), daemon=True).start()
@@ -113,7 +116,7 @@ def _umount(path: str) -> None:
         raise OSError(ctypes.get_errno(), f"umount {path} failed: {os.strerror(ctypes.get_errno())}")
 
 
-def _serve(backing: str, mountpoint: str) -> None:
+def _serve(backing: str, mountpoint: str, cached: bool) -> None:
     from fuse import FUSE, FuseOSError, Operations  # fusepy over libfuse2: scripts/setup.sh installs both
 
     answering = threading.Event()
@@ -232,8 +235,11 @@ def _serve(backing: str, mountpoint: str) -> None:
         def release(self, path: str, fh: int) -> None:
             os.close(fh)
 
-    FUSE(Passthrough(), mountpoint, foreground=True, direct_io=True)
+    if cached:
+        FUSE(Passthrough(), mountpoint, foreground=True, kernel_cache=True, attr_timeout=60, entry_timeout=60)
+    else:
+        FUSE(Passthrough(), mountpoint, foreground=True, direct_io=True)
 
 
 if __name__ == "__main__":
-    _serve(sys.argv[1], sys.argv[2])
+    _serve(sys.argv[1], sys.argv[2], sys.argv[3:] == ["cached"])

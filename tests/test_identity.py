@@ -259,7 +259,7 @@ def test_a_store_of_the_previous_layout_is_dropped_at_start(cfg: dict[str, Any],
         src = write_all(st, "new", 32, 14)
         ok, got = read_all(st, "new", 32)
         assert ok == [True] * 32 and got == src
-        assert page_files_bytes(cfg["path"]) <= 2 * MiB + 4096
+        assert page_files_bytes(cfg["path"]) <= 2 * MiB + 2 * 4096  # and an extent-tree block: files are sparse at full size
         assert inspect.check(st) == []
     finally:
         st.close()

@@ -24,7 +24,7 @@ from sglang_tierstore.space.library import LIBRARY
 
 # Commands the functions may issue, all with exactly one key, right after the command name.
 ONE_KEY = {"HGET", "HSTRLEN", "HSET", "HMGET", "HDEL", "HSETNX", "HEXISTS", "HGETALL", "HLEN", "HINCRBY", "ZADD", "ZREM",
-           "ZRANGE", "ZRANGEBYSCORE", "ZSCORE", "ZCARD"}
+           "ZRANGE", "ZRANGEBYSCORE", "ZSCORE", "ZCARD", "GET", "DEL"}
 
 
 def _calls(lines: list[str]) -> Iterator[tuple[str, list[str], list[list[str]]]]:

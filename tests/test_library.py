@@ -36,10 +36,10 @@ def round_trip(st: Any, tag: str) -> None:
 
 def test_the_library_is_every_lua_file_after_the_generated_prelude() -> None:
     """One function per job, registered once each; read-only functions flagged for replicas."""
-    assert LUA_FILES == ("core", "regions", "leases", "writes", "sweep", "files", "inspect")
+    assert LUA_FILES == ("core", "regions", "leases", "writes", "sweep", "files", "inspect", "lock")
     assert sorted(LIBRARY.scripts) == sorted(["lease", "commit", "release", "release_draining", "drop", "sweep", "punched",
                                               "add_file", "file_ready", "lose_file", "snapshot_regions",
-                                              "snapshot_entries", "counts", "unlink_members"])
+                                              "snapshot_entries", "counts", "unlink_members", "unlock"])
     assert LIBRARY.code.startswith(f"#!lua name={LIBRARY.name}\n") and re.fullmatch(r"tierstore_[0-9a-f]{12}", LIBRARY.name)
     assert "local K_CONF," in LIBRARY.code  # the generated prelude, then the files
     for name, text in LIBRARY.scripts.items():

@@ -60,7 +60,7 @@ __all__ = ["ACL_COMMANDS", "ClusterSeeds", "Library", "RedisIndex", "SentinelGro
 # CLUSTER SLOTS/SHARDS, COMMAND and ASKING for a cluster). INFO is left out: only ``memory_used``
 # sends it, for scripts/index_memory.py against an embedded Redis.
 ACL_COMMANDS = (
-    "fcall", "function|load", "evalsha", "script|load", "multi", "exec", "exists", "unlink", "scan",
+    "fcall", "function|load", "evalsha", "script|load", "multi", "exec", "exists", "unlink", "scan", "set", "get", "del",
     "cluster|slots", "cluster|shards", "command", "asking",
     "hexists", "hget", "hmget", "hgetall", "hvals", "hlen", "hstrlen", "hscan", "hset", "hsetnx", "hincrby", "hdel",
     "zadd", "zcard", "zrange", "zrangebyscore", "zscore", "zrem",
@@ -432,6 +432,14 @@ class RedisIndex:
         cmds: list[Command] = [("MULTI",), *(("HSETNX", key, k, v) for k, v in mapping.items()), ("HGETALL", key), ("EXEC",)]
         got = _pairs(self._all([(key, cmds)])[0][-1])
         return {k.decode(): v.decode() for k, v in got.items()}
+
+    def set_nx(self, key: str, value: str, ttl_ms: int) -> bool:
+        """SET NX PX: whether this call set the key (a lock taken)."""
+        return self._one(key, "SET", key, value, "NX", "PX", ttl_ms) is not None
+
+    def delete_if(self, key: str, value: str) -> bool:
+        """Delete the key if it still holds ``value`` (a lock given back by its holder only)."""
+        return bool(self.call("unlock", [key], [value]))
 
     def hdel(self, key: str, *fields: str) -> int:
         return int(self._one(key, "HDEL", key, *fields))

@@ -193,7 +193,7 @@ class Attachment:
         self.metrics = metrics
         self.log = log
         self.tags = EntryTags(home.entry_key)
-        self.pages = page_files(home.file_identity(), home.dirs, cfg.o_direct, modes, read_only)
+        self.pages = page_files(home.file_identity(), home.dirs, cfg.o_direct, modes, read_only, cfg.shared_fs)
         self.leases = Leases(index, home, ",".join(home.dirs), cfg.lease_s, token, clock)
         self.files = Files(index, home, self.pages, self.leases, metrics, log, clock, cfg.write_timeout_s)
         self._touch: dict[int, dict[int, float]] = {}
@@ -388,7 +388,7 @@ class Space:
                 home = attach.observe(self.index, cfg.redis_prefix, cfg.path)
             else:
                 home = attach.attach(self.index, cfg.redis_prefix, cfg.path, cfg.capacity_bytes, cfg.index_shards,
-                                     self.clock(), self._first, self.largest_page, self.modes)
+                                     self.clock(), self._first, self.largest_page, self.modes, cfg.node_name)
         except NoStoreYet:
             raise  # no waiting: another process may create it any moment
         except StoreUnavailable as e:

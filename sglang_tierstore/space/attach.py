@@ -13,10 +13,18 @@ the store's entry key (:mod:`sglang_tierstore.tags`). So:
   removed keeps its files where they are, and the store forgets them once no process
   has reported that directory for ``10 * lease_s``.
 
-A serving process attaches (:func:`attach`, under a lock on every directory): it adopts the
-store the markers name if the index knows it, and otherwise creates one, once it knows the
-largest page the store is for (its region size depends on it; until then the process
-answers misses). A store is never re-cut for a capacity: the first process's
+A serving process attaches (:func:`attach`) under a lock in the index (``SET NX`` with a
+token and an expiry: one attach at a time per prefix over the whole fleet, which a shared
+filesystem's ``flock`` cannot promise: node-local on NFS with ``local_lock``, ENOSYS on
+Lustre with ``noflock``, per mount on FUSE) and, as well, ``flock`` on every directory
+(where the filesystem has no locks, one log line). It adopts the store the markers name if
+the index knows it, else another store directory under the prefix that the index knows
+(each store directory carries a marker of its own), and otherwise creates one, once it
+knows the largest page the store is for (its region size depends on it; until then the
+process answers misses). No directory is ever removed because this index lacks its store:
+on a shared filesystem another node's index may hold it (or this node was given the wrong
+``redis_url``); the process starts a store of its own beside it and says why, and
+``tierstore gc`` removes store directories that no index holds. A store is never re-cut for a capacity: the first process's
 ``capacity_gb`` and pages set it, and a process started with another ``capacity_gb`` logs
 both values and uses the store's (``tierstore resize`` changes it). At its first attach a
 process drops a store of another format version, or of the layout before regions (keys
@@ -33,6 +41,7 @@ naming it and its owner.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -51,6 +60,7 @@ import xxhash
 from sglang_tierstore.errors import (
     ConfigError,
     IndexRefusesWrites,
+    IndexUnavailable,
     NoStore,
     NoStoreYet,
     StoreDirsUnavailable,
@@ -67,6 +77,8 @@ logger = logging.getLogger(__name__)
 GiB = 1 << 30
 
 MARKER = "store.json"
+LOCK_TTL_MS = 60_000  # an attach lock whose holder died lapses after this
+LOCK_WAIT_S = 70.0  # how long an attach waits for another node's (longer than LOCK_TTL_MS)
 SHARDS_PER_MASTER = 4  # a cluster store's default shards per master: load spreads, a reshard moves a quarter
 _SAFE = re.compile(r"^[A-Za-z0-9_.-]+$")
 _LEGACY_KINDS = ("e", "c", "free", "pend", "lease", "lru", "bad")
@@ -98,6 +110,7 @@ class Home:
     shard_tags: tuple[str, ...]  # each shard's hash tag (schema.shard_tags)
     entry_key: bytes  # the store's key for entry tags (:mod:`sglang_tierstore.tags`)
     capacity: int  # the store's capacity when joined (bytes); replies from the index keep it current
+    node: str = ""  # this node's name (``node_name``), in the directories' reports
 
     def shard_keys(self, shard: int) -> list[str]:
         """Every key of a shard, in the order its functions take them."""
@@ -110,8 +123,13 @@ class Home:
                 "regions_per_file": g.regions_per_file}
 
 
+_NO_LOCKS = (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP)
+_said_no_locks: set[str] = set()
+
+
 @contextmanager
 def _locked(paths: Sequence[str], prefix: str, m: Modes) -> Iterator[None]:
+    """``flock`` on every directory: processes of one node (the index lock is the fleet's)."""
     with ExitStack() as stack:
         for p in sorted(os.path.abspath(x) for x in paths):
             d = prefix_dir(p, prefix)
@@ -119,8 +137,46 @@ def _locked(paths: Sequence[str], prefix: str, m: Modes) -> Iterator[None]:
             fd = os.open(os.path.join(d, ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, m.file)
             stack.callback(os.close, fd)
             os.fchmod(fd, m.file)
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError as e:
+                if e.errno not in _NO_LOCKS:
+                    raise
+                if d not in _said_no_locks:
+                    _said_no_locks.add(d)
+                    logger.warning("tierstore: %s has no file locks (%s): attaching relies on the index's lock alone",
+                                   d, os.strerror(e.errno))
         yield
+
+
+def lock_key(prefix: str) -> str:
+    """The index's attach lock of a prefix (under the prefix's key globs, for ACL rules)."""
+    return f"{{{prefix}:attach}}:lock"
+
+
+@contextmanager
+def _index_locked(index: RedisIndex, prefix: str, node: str) -> Iterator[None]:
+    """The fleet's attach lock; an index that refuses writes (full, read-only) can take no
+    lock, and an attach then writes nothing there either (adopting a store reads only)."""
+    token = f"{node}:{os.getpid()}:{secrets.token_hex(6)}"
+    key = lock_key(prefix)
+    deadline = mod_time.monotonic() + LOCK_WAIT_S
+    try:
+        while not index.set_nx(key, token, LOCK_TTL_MS):
+            if mod_time.monotonic() > deadline:
+                raise IndexUnavailable(f"another process has held the attach lock {key} for over {LOCK_WAIT_S:g} s")
+            mod_time.sleep(0.05)
+    except IndexRefusesWrites as e:
+        logger.warning("tierstore: attaching without the index's lock (%s)", e)
+        yield
+        return
+    try:
+        yield
+    finally:
+        try:
+            index.delete_if(key, token)
+        except IndexUnavailable:  # it lapses by itself
+            pass
 
 
 def _read_marker(path: str, prefix: str) -> Optional[dict[str, str]]:
@@ -225,7 +281,7 @@ def _drop_store(index: RedisIndex, prefix: str, store_id: str, meta: dict[str, s
 
 
 def attach(index: RedisIndex, prefix: str, paths: Sequence[str], capacity: int, shards: Optional[int], now: float,
-           first: bool, largest_page: Optional[int], access: Modes = PRIVATE) -> Home:
+           first: bool, largest_page: Optional[int], access: Modes = PRIVATE, node: Optional[str] = None) -> Home:
     """Adopt or create the store these directories belong to (see the module docstring).
 
     ``first``: this process's first attach (stores of other formats and the layout before
@@ -234,10 +290,12 @@ def attach(index: RedisIndex, prefix: str, paths: Sequence[str], capacity: int, 
     a store: ``capacity`` and ``shards`` (None: 1 on one server, 4 x the masters of a
     cluster; ConfigError if ``capacity`` cannot hold pages that large). IndexUnavailable (IndexRefusesWrites) if the index cannot do what is
     needed; StoreDirsUnavailable if the directories cannot take what must be written
-    (a full disk: ``perms.check_dirs`` has shown them writable)."""
+    (a full disk: ``perms.check_dirs`` has shown them writable). ``node``: this node's
+    name (``node_name``), in the lock's token and the directories' reports."""
+    node = node or socket.gethostname()
     try:
-        with _locked(paths, prefix, access):
-            return _attach_locked(index, prefix, paths, capacity, shards, now, first, largest_page, access)
+        with _locked(paths, prefix, access), _index_locked(index, prefix, node):
+            return _attach_locked(index, prefix, paths, capacity, shards, now, first, largest_page, access, node)
     except TierStoreError:
         raise
     except PermissionError as e:
@@ -248,24 +306,85 @@ def attach(index: RedisIndex, prefix: str, paths: Sequence[str], capacity: int, 
         raise StoreDirsUnavailable(f"the store's directories cannot be written now ({e.filename}: {e.strerror})") from e
 
 
+def _stores_here(paths: Sequence[str], prefix: str) -> list[str]:
+    """Ids of the store directories under the prefix in these paths that carry their own marker."""
+    found = []
+    for p in paths:
+        try:
+            names = sorted(os.listdir(prefix_dir(p, prefix)))
+        except OSError:
+            continue
+        for name in names:
+            if re.match(r"^[0-9a-f]{16}$", name) and name not in found:
+                try:
+                    with open(os.path.join(prefix_dir(p, prefix), name, MARKER)) as f:
+                        doc = json.load(f)
+                except (OSError, ValueError):
+                    continue
+                if isinstance(doc, dict) and doc.get("prefix") == prefix and doc.get("store") == name:
+                    found.append(name)
+    return found
+
+
+def unclaimed(index: RedisIndex, prefix: str, paths: Sequence[str], older_than: float) -> list[tuple[str, str]]:
+    """(store id, directory) of each store directory under the prefix in these paths that
+    this index does not hold and where nothing changed since ``older_than`` (a time):
+    what ``tierstore gc`` removes. Reads only."""
+    out = []
+    for p in paths:
+        try:
+            names = sorted(os.listdir(prefix_dir(p, prefix)))
+        except OSError:
+            continue
+        for name in names:
+            d = os.path.join(prefix_dir(p, prefix), name)
+            if not re.match(r"^[0-9a-f]{16}$", name) or not os.path.isdir(d) or _stored_meta(index, prefix, name):
+                continue
+            try:
+                newest = max([os.stat(d).st_mtime, *(e.stat().st_mtime for e in os.scandir(d))])
+            except OSError:
+                continue
+            if newest < older_than:
+                out.append((name, d))
+    return out
+
+
+def remove_store_dir(d: str) -> None:
+    shutil.rmtree(d)
+
+
+def _adopt(index: RedisIndex, prefix: str, paths: Sequence[str], ids: Sequence[str]) -> tuple[Optional[str], dict[str, str]]:
+    """The store to adopt (the markers' first, then any other store directory here), and its
+    meta; stores of another format that the index holds are dropped, files and all (the
+    index proves they are this prefix's, and this build cannot read them)."""
+    unknown = []
+    for store_id in [*ids, *(x for x in _stores_here(paths, prefix) if x not in ids)]:
+        meta = _stored_meta(index, prefix, store_id)
+        if not meta:
+            unknown.append(store_id)
+        elif int(meta.get("format", 0)) != FORMAT:
+            _drop_store(index, prefix, store_id, meta, paths,
+                        f"it was written in format {meta.get('format')} and this build reads format {FORMAT}")
+        else:
+            if unknown:
+                logger.warning("tierstore: this index holds nothing for store(s) %s in %s; adopting store %s",
+                               ", ".join(unknown), ", ".join(paths), store_id)
+            return store_id, meta
+    if unknown:
+        logger.warning("tierstore: this index holds nothing for store(s) %s in %s (Redis lost its data, it was dropped, "
+                       "or another node's index holds it: check redis_url); their directories stay (`tierstore gc` "
+                       "removes what no index holds) and a new store starts beside them", ", ".join(unknown),
+                       ", ".join(paths))
+    return None, {}
+
+
 def _attach_locked(index: RedisIndex, prefix: str, paths: Sequence[str], capacity: int, shards: Optional[int], now: float,
-                   first: bool, largest_page: Optional[int], access: Modes) -> Home:
+                   first: bool, largest_page: Optional[int], access: Modes, node: str) -> Home:
     markers = [_read_marker(p, prefix) for p in paths]
     ids = _one_store(markers)
     if first:
         drop_legacy(index, prefix, paths)
-    store_id = ids[0] if ids else None
-    meta: dict[str, str] = {}
-    if store_id is not None:
-        meta = _stored_meta(index, prefix, store_id)
-        why = None
-        if not meta:
-            why = "the index holds nothing for it (Redis lost its data, or it was dropped)"
-        elif int(meta.get("format", 0)) != FORMAT:
-            why = f"it was written in format {meta.get('format')} and this build reads format {FORMAT}"
-        if why:
-            _drop_store(index, prefix, store_id, meta, paths, why)
-            store_id, meta = None, {}
+    store_id, meta = _adopt(index, prefix, paths, ids)
     if store_id is None:
         if largest_page is None:
             raise NoStoreYet(f"no store with prefix {prefix!r} in {', '.join(paths)} yet: it is created with the "
@@ -294,21 +413,22 @@ def _attach_locked(index: RedisIndex, prefix: str, paths: Sequence[str], capacit
                        store_id, prefix, int(meta["capacity"]) / GiB, capacity / GiB)
     dirs: dict[str, str] = {}
     for p, m in zip(paths, markers):
-        dir_id = m["dir"] if m else secrets.token_hex(4)
-        if not m or m["store"] != store_id:
-            _write_marker(p, prefix, store_id, dir_id, access)
         sd = store_dir(p, prefix, store_id)
+        own = _read_own_marker(sd, prefix, store_id)
+        dir_id = own or (m["dir"] if m and m["store"] == store_id else secrets.token_hex(4))
+        if not m or m["store"] != store_id or m["dir"] != dir_id:
+            _write_marker(p, prefix, store_id, dir_id, access)
         own_dir(sd, access)
+        if own is None:
+            write_file(os.path.join(sd, MARKER), json.dumps({"prefix": prefix, "store": store_id, "dir": dir_id}).encode(),
+                       access)
         dirs[dir_id] = sd
-        for other in os.listdir(prefix_dir(p, prefix)):  # pages of stores dropped meanwhile
-            if other != store_id and re.match(r"^[0-9a-f]{16}$", other):
-                shutil.rmtree(os.path.join(prefix_dir(p, prefix), other), ignore_errors=True)
     entry_key = load_key(list(dirs.values()), access)
     try:
-        report_dirs(index, tag, dirs, now)
+        report_dirs(index, tag, dirs, now, node)
     except IndexRefusesWrites as e:  # a hint for retiring directories: the next audit reports again
         logger.warning("tierstore: reporting this process's directories failed (%s); the next audit does", e)
-    return Home(prefix, geometry, dirs, tag, stags, entry_key, int(meta["capacity"]))
+    return Home(prefix, geometry, dirs, tag, stags, entry_key, int(meta["capacity"]), node)
 
 
 def set_capacity(index: RedisIndex, home: Home, capacity: int) -> None:
@@ -318,10 +438,21 @@ def set_capacity(index: RedisIndex, home: Home, capacity: int) -> None:
         index.hset(home.shard_keys(s)[0], {"cap": home.geometry.capacity_share(capacity, s)})
 
 
-def report_dirs(index: RedisIndex, tag: str, dirs: dict[str, str], now: float) -> None:
-    """Say this process has these directories now (see :func:`retired_dirs`)."""
-    index.hset(meta_key(tag, "dirs"), {d: json.dumps({"path": p, "host": socket.gethostname(), "seen": now})
-                                      for d, p in dirs.items()})
+def report_dirs(index: RedisIndex, tag: str, dirs: dict[str, str], now: float, node: str) -> None:
+    """Say this process (on node ``node``) has these directories now (see :func:`retired_dirs`)."""
+    index.hset(meta_key(tag, "dirs"), {d: json.dumps({"path": p, "host": node, "seen": now}) for d, p in dirs.items()})
+
+
+def _read_own_marker(sd: str, prefix: str, store_id: str) -> Optional[str]:
+    """The directory id a store directory's own marker gives, if it names this store."""
+    try:
+        with open(os.path.join(sd, MARKER)) as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if isinstance(doc, dict) and doc.get("prefix") == prefix and doc.get("store") == store_id and doc.get("dir"):
+        return str(doc["dir"])
+    return None
 
 
 def retired_dirs(index: RedisIndex, tag: str, mine: Sequence[str], older_than: float) -> list[str]:

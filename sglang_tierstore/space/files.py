@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import queue
 import secrets
+import socket
 import threading
 from typing import Callable, Iterable, Optional
 
@@ -251,13 +252,22 @@ class Files:
         return False
 
     def gone(self, number: int, e: BaseException) -> None:
-        """The file is provably not the one the index names: its handle goes now, every
-        writer's stock is distrusted, and housekeeping forgets it."""
+        """The file is not the one the index names: its handle goes now and every writer's
+        stock is distrusted; and if its directory is provably the store's (see
+        :meth:`PageFiles.identified`), housekeeping forgets it. Otherwise (an unmounted
+        share, a directory briefly missing, a cache lagging another node) its pages are
+        misses and it is opened afresh on next use."""
         self.pages.forget(number)
         self.leases.invalidate()
         with self._lock:
             rec = self._records.get(number)
-            if rec is not None:
+        if rec is not None and not self.pages.identified(rec.dir_id):
+            self.metrics.error("file_unverified")
+            self.log.warning("file_unverified", "%s, but its directory is not provably the store's now (unmounted, "
+                             "unreadable, another filesystem): misses, nothing dropped", e)
+            return
+        if rec is not None:
+            with self._lock:
                 self._lost[number] = rec.uid
         self.metrics.error("file_gone")
         self.log.warning("file_gone", "%s: its pages are dropped", e)
@@ -312,7 +322,7 @@ class Files:
         for f, where in on_disk.items():
             rec = records.get(f)
             for dir_id, _ in where:
-                if rec is None or rec.dir_id != dir_id or rec.state == LOST:
+                if (rec is None or rec.dir_id != dir_id or rec.state == LOST) and self.pages.identified(dir_id):
                     try:
                         self.pages.remove(f, dir_id)
                         self.metrics.housekeeping("files_removed", 1)
@@ -328,7 +338,7 @@ class Files:
                 except PageIOError:
                     pass
         now = self.clock()
-        attach.report_dirs(self.index, self.home.tag, self.home.dirs, now)
+        attach.report_dirs(self.index, self.home.tag, self.home.dirs, now, self.home.node or socket.gethostname())
         for dir_id in attach.retired_dirs(self.index, self.home.tag, list(self.home.dirs), now - dir_retire_s):
             with self._lock:
                 self._lost.update({f: rec.uid for f, rec in records.items() if rec.dir_id == dir_id})

@@ -2,7 +2,7 @@
 
 The library is the ``.lua`` files beside this module, one per concern (``core``: what
 every call starts with; ``regions``; ``leases``; then the functions: ``writes``,
-``sweep``, ``files``, ``inspect``), after a prelude that :func:`schema.lua_prelude`
+``sweep``, ``files``, ``inspect``, ``lock``), after a prelude that :func:`schema.lua_prelude`
 generates, so every record format is written once, in :mod:`sglang_tierstore.schema`.
 
 It reaches the server in one of two forms, which :class:`~sglang_tierstore.index.RedisIndex`
@@ -35,7 +35,7 @@ from importlib import resources
 from sglang_tierstore.index import Library
 from sglang_tierstore.schema import lua_prelude
 
-LUA_FILES = ("core", "regions", "leases", "writes", "sweep", "files", "inspect")
+LUA_FILES = ("core", "regions", "leases", "writes", "sweep", "files", "inspect", "lock")
 _REGISTER = re.compile(r"^register\('([a-z_]+)', [a-z_]+(, true)?\)$", re.M)
 
 
