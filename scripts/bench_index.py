@@ -1,0 +1,290 @@
+#!/usr/bin/env python3
+"""What the index costs per call, on one server and on a 3-master cluster, for the capacity
+table in the README.
+
+    python3 scripts/bench_index.py --out scripts/results/bench_index > scripts/results/bench_index/bench_index.txt
+
+For redis-server and valkey-server, each as one node (AOF on) and as a 3-master cluster
+with a replica per master (AOF on, built with CLUSTER MEET/ADDSLOTSRANGE/REPLICATE), for
+pages of 4 KiB, 256 KiB and 2 MiB and batches of 1, 16 and 128 pages: a fresh store on
+/dev/shm (no disk in the way), rounds of one write batch, one probe and one read of that
+batch, and a housekeeping pass. Measured:
+
+- server-side µs per call of each function and of HMGET (SLOWLOG with
+  ``slowlog-log-slower-than 0`` on every master: each call's execution inside the server);
+- AOF bytes per write batch (``aof_current_size`` deltas over the masters: a COMMIT rewrites
+  its region's member blob, which small pages make large);
+- client-side p50/p99 of a probe (``TierStore.exists``) and of a batch's COMMIT round trip.
+
+Then, on each cluster, a failover drill: 4 KiB pages in batches of 16, a master SIGKILLed,
+the surviving shards' hit rate right after, the time until every page hits again, and the
+pages lost (committed but not yet replicated). Results are stamped with the commit, the
+command, the servers' versions and the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))
+
+import redis  # noqa: E402
+from redis.crc import key_slot  # noqa: E402
+from clusters import ClusterProc  # noqa: E402
+from conftest import RedisProc, server_path, server_version  # noqa: E402
+from engine_kit import engine, housekeep  # noqa: E402
+
+from sglang_tierstore.schema import entry_field, shard_of  # noqa: E402
+
+KiB, MiB = 1 << 10, 1 << 20
+PAGES = (4 * KiB, 256 * KiB, 2 * MiB)
+BATCHES = (1, 16, 128)
+
+
+def stamp(argv: list[str]) -> dict[str, Any]:
+    def git(*a: str) -> str:
+        return subprocess.run(["git", "-C", str(HERE.parent), *a], capture_output=True, text=True).stdout.strip()
+
+    mem = next((ln.split()[1] for ln in open("/proc/meminfo") if ln.startswith("MemTotal")), "?")
+    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+            "command": " ".join(["scripts/bench_index.py", *argv]), "python": platform.python_version(),
+            "redis_py": redis.__version__, "kernel": platform.release(), "cores": os.cpu_count(),
+            "mem_kib": int(mem) if mem.isdigit() else mem,
+            "servers": {n: server_version(server_path(n)) for n in ("redis-server", "valkey-server")}}
+
+
+class Masters:
+    """The clients of the index's masters (one, or a cluster's)."""
+
+    def __init__(self, clients: list[redis.Redis]) -> None:
+        self.clients = clients
+
+    def start_slowlog(self) -> None:
+        for c in self.clients:
+            c.config_set("slowlog-max-len", 1_000_000)
+            c.config_set("slowlog-log-slower-than", 0)
+            c.slowlog_reset()
+
+    def slowlog(self) -> dict[str, list[int]]:
+        """µs per call by function (FCALL's first argument) or command."""
+        out: dict[str, list[int]] = {}
+        for c in self.clients:
+            for e in c.slowlog_get(1_000_000):
+                cmd = e["command"].split() if isinstance(e["command"], (str, bytes)) else e["command"]
+                words = [w.decode(errors="replace") if isinstance(w, bytes) else str(w) for w in cmd]
+                if not words:
+                    continue
+                name = words[0].upper()
+                if name == "FCALL" and len(words) > 1:
+                    name = words[1].split("_", 2)[-1]  # tierstore_<digest>_<function>
+                elif name not in ("HMGET", "ZADD", "HGETALL", "HSET"):
+                    continue
+                out.setdefault(name, []).append(int(e["duration"]))
+            c.config_set("slowlog-log-slower-than", 10_000)
+        return out
+
+    def aof_bytes(self) -> int:
+        return sum(int(c.info("persistence")["aof_current_size"]) for c in self.clients)
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def one_config(cfg: dict[str, Any], masters: Masters, page: int, n: int, rounds: int) -> dict[str, Any]:
+    path = tempfile.mkdtemp(dir=cfg["path"])
+    st = engine({**cfg, "redis_prefix": "bi-" + uuid.uuid4().hex[:8], "path": path,
+                 "capacity_gb": max(256 * MiB, 8 * page * 4, 2 * n * page) / (1 << 30), "o_direct": False,
+                 "io_threads": 4, "housekeeping_s": 3600, "lease_s": 4 * 3600})
+    try:
+        ns = st.namespace({"bench": "index"}, page)
+        buf = [[memoryview(bytearray(os.urandom(page)))] for _ in range(n)]
+        commit_ms: list[float] = []
+        real = st.index.calls_each
+
+        def timed(calls: Any) -> Any:
+            t0 = time.perf_counter()
+            out = real(calls)
+            if any(c[0] == "commit" for c in calls):
+                commit_ms.append((time.perf_counter() - t0) * 1e3)
+            return out
+
+        st.index.calls_each = timed  # type: ignore[method-assign]
+        k = 0
+
+        def batch() -> list[str]:
+            nonlocal k
+            keys = [uuid.uuid4().hex * 2 for _ in range(n)]
+            k += n
+            return keys
+
+        for _ in range(3):  # warm: stock leased, files made, library loaded on every master
+            st.write(ns, batch(), buf, False)
+        commit_ms.clear()
+        masters.start_slowlog()
+        aof0 = masters.aof_bytes()
+        probe_ms: list[float] = []
+        stored = 0
+        for _ in range(rounds):
+            keys = batch()
+            stored += sum(st.write(ns, keys, buf, False))
+            t0 = time.perf_counter()
+            st.exists([(ns, keys)])
+            probe_ms.append((time.perf_counter() - t0) * 1e3)
+            st.read(ns, keys, buf, False)
+            housekeep(st, audit=False)
+        aof = masters.aof_bytes() - aof0
+        server = masters.slowlog()
+        return {"page_bytes": page, "batch": n, "rounds": rounds, "stored": stored, "shards": st.space.attached().geometry.shards,
+                "server_us": {f: {"calls": len(v), "p50": statistics.median(v), "p99": pct(v, 0.99)} for f, v in server.items()},
+                "aof_bytes_per_write_batch": aof / rounds,
+                "probe_ms": {"p50": statistics.median(probe_ms), "p99": pct(probe_ms, 0.99)},
+                "commit_ms": {"p50": statistics.median(commit_ms), "p99": pct(commit_ms, 0.99)}}
+    finally:
+        st.close()
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def drill(cfg: dict[str, Any], cluster: ClusterProc) -> dict[str, Any]:
+    """A master SIGKILLed under a 4 KiB, 16-page workload."""
+    st = engine({**cfg, "redis_prefix": "drill-" + uuid.uuid4().hex[:6], "path": tempfile.mkdtemp(dir=cfg["path"]),
+                 "capacity_gb": 0.25, "o_direct": False, "io_threads": 2})
+    try:
+        ns = st.namespace({"bench": "drill"}, 4096)
+        buf = [[memoryview(bytearray(os.urandom(4096)))] for _ in range(16)]
+        written: list[str] = []
+        for _ in range(40):
+            keys = [uuid.uuid4().hex * 2 for _ in range(16)]
+            if all(st.write(ns, keys, buf, False)):
+                written += keys
+        home = st.space.attached().home
+        shards = home.geometry.shards
+        victim = cluster.masters()[0]
+        dead = {s for s in range(shards) if cluster.owner(key_slot(home.shard_tags[s].encode())).addr == victim.addr}
+        victim.kill()
+        t0 = time.monotonic()
+
+        def shard(k: str) -> int:
+            return shard_of(entry_field(ns.ns_id, k), shards)
+
+        found = st.exists([(ns, written)])[0]
+        alive = [f for k, f in zip(written, found) if shard(k) not in dead]
+        back = None
+        while time.monotonic() - t0 < 60:
+            if all(st.exists([(ns, written[:64])])[0]):
+                back = time.monotonic() - t0
+                break
+            time.sleep(0.05)
+        cluster.wait_ok()
+        lost = len(written) - sum(st.exists([(ns, written)])[0])
+        return {"masters": 3, "shards": shards, "dead_shards": len(dead), "pages": len(written),
+                "surviving_shards_hit_rate": sum(alive) / max(1, len(alive)), "hits_back_s": back, "pages_lost": lost,
+                "cluster_node_timeout_ms": cluster.node_timeout_ms, "redis_retry_s": cfg.get("redis_retry_s", 1.0)}
+    finally:
+        st.close()
+
+
+def topologies(server: str, work: Path) -> Iterator[tuple[str, dict[str, Any], Masters, Callable[[], Any]]]:
+    single = RedisProc(work / f"{server}-single", appendonly=True, server=server)
+    try:
+        yield "1 node", {"redis_url": single.url}, Masters([redis.Redis.from_url(single.url)]), lambda: None
+    finally:
+        single.stop()
+    cluster = ClusterProc(work / f"{server}-cluster", server, masters=3, replicas=1)
+    try:
+        ms = [n.client() for n in cluster.masters()]
+        yield "3-master cluster", {"redis_cluster": cluster.seeds[:3], "redis_retry_s": 0.5}, Masters(ms), lambda: cluster
+    finally:
+        cluster.stop()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=str(HERE / "results" / "bench_index"))
+    ap.add_argument("--quick", action="store_true", help="4 KiB pages, batches of 16, 5 rounds, one server (a smoke run)")
+    ap.add_argument("--rounds", type=int, default=40, help="rounds per configuration (fewer for large batches of large pages)")
+    a = ap.parse_args()
+    argv = sys.argv[1:]
+    work = Path(tempfile.mkdtemp(prefix="bench-index-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    results: dict[str, Any] = {"stamp": stamp(argv), "configs": [], "drills": []}
+    servers = ("redis-server",) if a.quick else ("redis-server", "valkey-server")
+    try:
+        for server in servers:
+            for topo, cfg, masters, cluster in topologies(server, work):
+                cfg = {**cfg, "path": str(work / "pages")}
+                os.makedirs(cfg["path"], exist_ok=True)
+                for page in ((4 * KiB,) if a.quick else PAGES):
+                    for n in ((16,) if a.quick else BATCHES):
+                        rounds = 5 if a.quick else max(8, min(a.rounds, (512 * MiB) // (n * page)))
+                        r = one_config(cfg, masters, page, n, rounds)
+                        r.update(server=server, topology=topo)
+                        results["configs"].append(r)
+                        print(f"# {server} {topo} {page // KiB} KiB x{n}: commit p50 {r['commit_ms']['p50']:.3f} ms, "
+                              f"probe p50 {r['probe_ms']['p50']:.3f} ms", file=sys.stderr)
+                c = cluster()
+                if c is not None and not a.quick:
+                    d = drill(cfg, c)
+                    d["server"] = server
+                    results["drills"].append(d)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "bench_index.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    print(report(results))
+    return 0
+
+
+def report(res: dict[str, Any]) -> str:
+    s = res["stamp"]
+    lines = [f"# bench_index at {s['commit'][:12]}{' (dirty)' if s['dirty'] else ''}: {s['command']}",
+             f"# {s['cores']} cores, {s['mem_kib'] // 1024 if isinstance(s['mem_kib'], int) else '?'} MiB, kernel "
+             f"{s['kernel']}, python {s['python']}, redis-py {s['redis_py']}",
+             *(f"# {n}: {v}" for n, v in s["servers"].items()),
+             "# server us: SLOWLOG medians per call on the masters; AOF: bytes appended per write batch over the masters;",
+             "# probe/commit: client wall ms (p50/p99) of TierStore.exists and of a batch's COMMIT round trip",
+             f"{'server':13} {'topology':17} {'page':>7} {'n':>4} {'commit us':>9} {'lease us':>8} {'hmget us':>8} "
+             f"{'sweep us':>8} {'AOF B/batch':>11} {'probe p50/p99 ms':>17} {'commit p50/p99 ms':>18}"]
+    for r in res["configs"]:
+        su = r["server_us"]
+
+        def us(f: str) -> str:
+            return f"{su[f]['p50']:.0f}" if f in su else "-"
+
+        page = f"{r['page_bytes'] // KiB} KiB" if r["page_bytes"] < MiB else f"{r['page_bytes'] // MiB} MiB"
+        lines.append(f"{r['server']:13} {r['topology']:17} {page:>7} {r['batch']:>4} {us('commit'):>9} {us('lease'):>8} "
+                     f"{us('HMGET'):>8} {us('sweep'):>8} {r['aof_bytes_per_write_batch']:>11.0f} "
+                     f"{r['probe_ms']['p50']:>8.3f}/{r['probe_ms']['p99']:<8.3f} {r['commit_ms']['p50']:>8.3f}/{r['commit_ms']['p99']:<8.3f}")
+    singles = {(r["server"], r["page_bytes"], r["batch"]): r for r in res["configs"] if r["topology"] == "1 node"}
+    lines.append("# cluster / 1 node, client p50 (target: probe of 128 keys and COMMIT of 128 pages within 1.5x):")
+    for r in res["configs"]:
+        base = singles.get((r["server"], r["page_bytes"], r["batch"]))
+        if r["topology"] != "1 node" and base is not None:
+            lines.append(f"#   {r['server']:13} {r['page_bytes'] // KiB:>5} KiB x{r['batch']:<4} probe "
+                         f"{r['probe_ms']['p50'] / base['probe_ms']['p50']:.2f}x  commit "
+                         f"{r['commit_ms']['p50'] / base['commit_ms']['p50']:.2f}x")
+    for d in res["drills"]:
+        lines.append(f"# failover drill, {d['server']}: {d['dead_shards']} of {d['shards']} shards on the killed master; "
+                     f"surviving shards hit {100 * d['surviving_shards_hit_rate']:.1f}% right after; every page hits "
+                     f"again after {d['hits_back_s'] if d['hits_back_s'] is None else round(d['hits_back_s'], 2)} s "
+                     f"(cluster-node-timeout {d['cluster_node_timeout_ms']} ms, redis_retry_s {d['redis_retry_s']}); "
+                     f"{d['pages_lost']} of {d['pages']} pages lost")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
