@@ -84,6 +84,8 @@ class ClusterProc:
             port = free_cluster_port()
             args = ["--port", str(port), "--bind", "127.0.0.1", "--protected-mode", "no", "--cluster-enabled", "yes",
                     "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", str(node_timeout_ms),
+                    # a dead master's slots only go dark, not the whole cluster's (docs/configuration.md)
+                    "--cluster-require-full-coverage", "no",
                     "--appendonly", "yes", "--save", "", "--repl-diskless-sync-delay", "0",
                     "--dir", str(workdir / f"n{i}")]
             self.nodes.append(ServerNode(self.binary, workdir / f"n{i}", port, args))
