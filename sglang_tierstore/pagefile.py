@@ -35,6 +35,7 @@ import ctypes
 import ctypes.util
 import errno
 import json
+import mmap
 import os
 import re
 import threading
@@ -45,7 +46,7 @@ import xxhash
 
 from sglang_tierstore.errors import FileGone, PageIOError
 from sglang_tierstore.perms import PRIVATE, Modes, create_file
-from sglang_tierstore.schema import HEADER_BYTES
+from sglang_tierstore.schema import ALIGN, HEADER_BYTES
 
 MARKER = "store.json"  # a store directory's own marker (written by space.attach)
 
@@ -173,6 +174,15 @@ class PageFiles:
         return (isinstance(doc, dict) and doc.get("store") == self.identity.get("store") and doc.get("dir") == dir_id
                 and _fsid(d) == self._fsids.get(dir_id))
 
+    def heartbeat(self) -> None:
+        """Touch each store directory's own marker: a store in use shows a recent time there,
+        even when only read (``tierstore gc`` leaves it alone)."""
+        for d in self.dirs.values():
+            try:
+                os.utime(os.path.join(d, MARKER))
+            except OSError:
+                pass
+
     def remove(self, file_no: int, dir_id: str) -> None:
         """Remove a file the index does not (or no longer) account for."""
         self._writable(f"cannot remove page file {file_no}")
@@ -280,6 +290,8 @@ class PageFiles:
         except OSError as e:
             raise PageIOError(e.errno, f"cannot read the header of {path}: {e.strerror}") from e
         if raw != self.header(ref):
+            if len(raw) < HEADER_BYTES or not raw.strip(b"\0"):  # a client whose data lags: proves nothing (a miss)
+                raise PageIOError(errno.EIO, f"the header of {path} is not readable yet ({len(raw)} bytes)")
             raise FileGone(errno.ESTALE, f"{path} is not page file {ref.number} (uid {ref.uid}) of store {self.identity.get('store')}")
 
     def ensure_open(self, ref: FileRef) -> None:
@@ -348,8 +360,8 @@ class PageFiles:
         with self._using(ref) as h:
             fd = h.dfd if aligned and h.dfd >= 0 else h.fd
             try:
-                if self.shared and fd == h.fd:  # bypass what this node's cache may still hold of it
-                    os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
+                if self.shared and fd == h.fd:  # what this node's cache may still hold of it (best effort)
+                    _drop_cached(fd, offset, nbytes)
                 n = os.preadv(fd, bufs, offset)
             except OSError as e:
                 raise PageIOError(e.errno, f"read at {offset} of {h.path} failed: {e.strerror}") from e
@@ -362,7 +374,15 @@ class PageFiles:
         anything is dropped."""
         with self._using(ref) as h:
             try:
-                os.posix_fadvise(h.fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
+                if h.dfd >= 0:  # O_DIRECT: the page cache is not consulted at all
+                    length = (nbytes + ALIGN - 1) // ALIGN * ALIGN
+                    buf = mmap.mmap(-1, length)  # page-aligned
+                    try:
+                        n = os.preadv(h.dfd, [buf], offset)
+                        return bytes(buf[: min(n, nbytes)])
+                    finally:
+                        buf.close()
+                _drop_cached(h.fd, offset, nbytes)
                 return os.pread(h.fd, nbytes, offset)
             except OSError as e:
                 raise PageIOError(e.errno, f"read at {offset} of {h.path} failed: {e.strerror}") from e
@@ -433,7 +453,23 @@ def _fsid(path: str) -> Optional[int]:
 # filesystems, and FUSE clients of them.
 SHARED_TYPES = frozenset({"nfs", "nfs4", "ceph", "lustre", "9p", "cifs", "smb3", "glusterfs", "gpfs", "beegfs",
                           "virtiofs", "afs", "ocfs2", "gfs2", "fuse.ceph-fuse", "fuse.juicefs", "fuse.glusterfs",
-                          "fuse.3fs", "fuse.hf3fs", "fuse.sshfs", "fuse.s3fs", "fuse.gcsfuse", "fuse.weka"})
+                          "fuse.3fs", "fuse.hf3fs", "fuse.sshfs", "fuse.s3fs", "fuse.gcsfuse", "fuse.weka", "wekafs",
+                          "fuse.mountpoint-s3", "fuse.rclone", "fuse.dfuse", "fuse.mfs", "fuse.alluxio-fuse",
+                          "fuse.blobfuse2"})
+
+
+def _drop_cached(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to forget its cached pages of a range (best effort: pages the range
+    only partly covers, or large folios, may stay; :meth:`PageFiles.read_uncached` reads
+    through O_DIRECT where it can). Widened to 2 MiB boundaries for that reason."""
+    lo = offset // _FOLIO * _FOLIO
+    try:
+        os.posix_fadvise(fd, lo, (offset + nbytes + _FOLIO - 1) // _FOLIO * _FOLIO - lo, os.POSIX_FADV_DONTNEED)
+    except OSError:
+        pass
+
+
+_FOLIO = 2 << 20
 
 
 def shared_fs(path: str) -> bool:
@@ -451,7 +487,7 @@ def shared_fs(path: str) -> bool:
         parts = head.split()
         if len(parts) < 5 or not tail:
             continue
-        mnt = parts[4].replace("\\040", " ")
+        mnt = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), parts[4])  # mountinfo's octal escapes
         if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
             best, fstype = mnt, tail.split()[0]
     return fstype in SHARED_TYPES

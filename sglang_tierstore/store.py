@@ -363,8 +363,9 @@ class TierStore:
     def _reread(self, a: Attachment, p: Place, dest: Regions, e: Entry, page_bytes: int) -> bool:
         """On a shared filesystem, a page that failed its checksum is read again past this
         node's page cache (another node may have rewritten the slot since this node cached
-        it); True, with ``dest`` filled, if it verifies now."""
-        if not a.pages.shared:
+        it); True, with ``dest`` filled, if it verifies now. Not with ``read_timeout_s``: this
+        read runs in the caller's thread, which the deadline bounds."""
+        if not a.pages.shared or self.cfg.read_timeout_s:
             return False
         try:
             raw = a.pages.read_uncached(p.file, p.offset, page_bytes)

@@ -265,13 +265,28 @@ def test_a_store_of_the_previous_layout_is_dropped_at_start(cfg: dict[str, Any],
         st.close()
 
 
-def test_a_store_of_another_format_is_dropped_at_start(cfg: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
+def test_slot_files_of_the_previous_layout_without_its_keys_are_left_alone(cfg: dict[str, Any]) -> None:
+    """Slot files alone prove nothing (another prefix's, another fleet's on a shared path):
+    without the previous layout's keys in this index they stay."""
+    old = os.path.join(cfg["path"], "c65536")
+    os.makedirs(old)
+    with open(os.path.join(old, "f000000.slots"), "wb") as f:
+        f.write(b"x" * 4096)
+    st = engine(cfg)
+    try:
+        write_all(st, "new", 8, 3)
+        assert os.path.exists(os.path.join(old, "f000000.slots"))
+    finally:
+        st.close()
+
+
+def test_a_store_of_an_older_format_is_dropped_at_start(cfg: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
     st = engine(cfg)
     write_all(st, "w", 16, 15)
     tag = st.space.attached().tag
     st.close()
     r = redis.Redis.from_url(cfg["redis_url"])
-    r.hset(meta_key(tag, "meta"), "format", FORMAT + 1)
+    r.hset(meta_key(tag, "meta"), "format", FORMAT - 1)
     with caplog.at_level(logging.WARNING):
         st = engine(cfg)
     try:
@@ -281,6 +296,27 @@ def test_a_store_of_another_format_is_dropped_at_start(cfg: dict[str, Any], capl
         assert len(files_of(cfg["path"])) == 0
         ok, _ = read_all(st, "w", 16)
         assert ok == [False] * 16
+        assert inspect.check(st) == []
+    finally:
+        st.close()
+
+
+def test_a_store_of_a_newer_format_is_left_alone(cfg: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
+    """A rolling upgrade's newer nodes write a newer format: an older node starts a store beside
+    theirs and removes nothing of it."""
+    st = engine(cfg)
+    write_all(st, "w", 16, 15)
+    a = st.space.attached()
+    tag, newer = a.tag, list(a.home.dirs.values())[0]
+    st.close()
+    r = redis.Redis.from_url(cfg["redis_url"])
+    r.hset(meta_key(tag, "meta"), "format", FORMAT + 1)
+    with caplog.at_level(logging.WARNING):
+        st = engine(cfg)
+    try:
+        st.namespace({"m": 1}, PAGE)
+        assert st.space.attached().tag != tag and r.exists(meta_key(tag, "meta")) == 1
+        assert os.path.isdir(newer) and any(n.endswith(".pages") for n in os.listdir(newer))
         assert inspect.check(st) == []
     finally:
         st.close()

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from pathlib import Path
 
 import pytest
 
-from sglang_tierstore.errors import FileGone
+from sglang_tierstore.errors import FileGone, PageIOError
 from sglang_tierstore.pagefile import FileRef, PageFiles
 
 HANG_S = 30.0
@@ -67,4 +68,37 @@ def test_a_file_forgotten_during_io_keeps_its_fds_until_the_io_ends(files: PageF
     for fd in fds:
         with pytest.raises(OSError):
             os.fstat(fd)  # closed by the last user
+    files.close()
+
+
+def test_files_are_full_size_and_a_header_or_page_not_there_yet_is_a_miss_not_a_lost_file(files: PageFiles) -> None:
+    """A shared filesystem's client may show a file before its data: a zero or short header,
+    or a short read, proves nothing (PageIOError, a miss), unlike a header naming another file."""
+    ref = FileRef(1, "d0", "9")
+    files.create(ref)
+    path = files.path(1, "d0")
+    assert os.path.getsize(path) == files.file_bytes() == 4096 + 2 * 65536  # sparse, at its full size from the start
+    with open(path, "r+b") as f:
+        f.write(bytes(4096))  # the header not there yet
+    with pytest.raises(PageIOError, match="not readable yet") as e:
+        files.ensure_open(ref)
+    assert not isinstance(e.value, FileGone)
+    files.create(ref)
+    os.truncate(path, 4096 + 8192)  # a length lagging behind
+    with pytest.raises(PageIOError, match="short read") as e2:
+        files.read(ref, 4096 + 65536, [memoryview(bytearray(4096))], 4096, False)
+    assert not isinstance(e2.value, FileGone)
+    files.close()
+
+
+def test_a_directory_is_identified_by_its_own_marker_on_the_filesystem_seen_at_start(tmp_path: Path) -> None:
+    d = tmp_path / "d0"
+    d.mkdir()
+    (d / "store.json").write_text(json.dumps({"prefix": "p", "store": IDENTITY["store"], "dir": "d0"}))
+    files = PageFiles(IDENTITY, {"d0": str(d)}, o_direct=False)
+    assert files.identified("d0")
+    (d / "store.json").write_text(json.dumps({"prefix": "p", "store": "another", "dir": "d0"}))
+    assert not files.identified("d0")
+    (d / "store.json").unlink()
+    assert not files.identified("d0") and not files.identified("d9")
     files.close()

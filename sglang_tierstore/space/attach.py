@@ -155,9 +155,9 @@ def lock_key(prefix: str) -> str:
 
 
 @contextmanager
-def _index_locked(index: RedisIndex, prefix: str, node: str) -> Iterator[None]:
-    """The fleet's attach lock; an index that refuses writes (full, read-only) can take no
-    lock, and an attach then writes nothing there either (adopting a store reads only)."""
+def _index_locked(index: RedisIndex, prefix: str, node: str) -> Iterator[bool]:
+    """The fleet's attach lock: yields whether it is held. An index that refuses writes
+    (full, read-only) can take no lock: the attach then only adopts (drops nothing)."""
     token = f"{node}:{os.getpid()}:{secrets.token_hex(6)}"
     key = lock_key(prefix)
     deadline = mod_time.monotonic() + LOCK_WAIT_S
@@ -167,11 +167,11 @@ def _index_locked(index: RedisIndex, prefix: str, node: str) -> Iterator[None]:
                 raise IndexUnavailable(f"another process has held the attach lock {key} for over {LOCK_WAIT_S:g} s")
             mod_time.sleep(0.05)
     except IndexRefusesWrites as e:
-        logger.warning("tierstore: attaching without the index's lock (%s)", e)
-        yield
+        logger.warning("tierstore: attaching without the index's lock (%s): adopting only, dropping nothing", e)
+        yield False
         return
     try:
-        yield
+        yield True
     finally:
         try:
             index.delete_if(key, token)
@@ -245,7 +245,7 @@ def drop_legacy(index: RedisIndex, prefix: str, paths: Sequence[str]) -> bool:
     old_dirs = [os.path.join(path, n) for path in paths if os.path.isdir(path) for n in os.listdir(path)
                 if _LEGACY_DIR.match(n) and os.path.isdir(os.path.join(path, n))]
     marker_keys = [f"{prefix}:bytes", f"{prefix}:gen"]
-    if not index.exists(marker_keys) and not old_dirs:
+    if not index.exists(marker_keys):  # slot files alone prove nothing: another prefix's, another fleet's
         return False
     n = index.unlink(marker_keys)
     for kind in _LEGACY_KINDS:
@@ -294,8 +294,9 @@ def attach(index: RedisIndex, prefix: str, paths: Sequence[str], capacity: int, 
     name (``node_name``), in the lock's token and the directories' reports."""
     node = node or socket.gethostname()
     try:
-        with _locked(paths, prefix, access), _index_locked(index, prefix, node):
-            return _attach_locked(index, prefix, paths, capacity, shards, now, first, largest_page, access, node)
+        with _locked(paths, prefix, access), _index_locked(index, prefix, node) as held:
+            return _attach_locked(index, prefix, paths, capacity, shards, now, first and held, largest_page, access,
+                                  node, held)
     except TierStoreError:
         raise
     except PermissionError as e:
@@ -353,18 +354,23 @@ def remove_store_dir(d: str) -> None:
     shutil.rmtree(d)
 
 
-def _adopt(index: RedisIndex, prefix: str, paths: Sequence[str], ids: Sequence[str]) -> tuple[Optional[str], dict[str, str]]:
+def _adopt(index: RedisIndex, prefix: str, paths: Sequence[str], ids: Sequence[str],
+           may_drop: bool) -> tuple[Optional[str], dict[str, str]]:
     """The store to adopt (the markers' first, then any other store directory here), and its
-    meta; stores of another format that the index holds are dropped, files and all (the
-    index proves they are this prefix's, and this build cannot read them)."""
+    meta. The markers' store in an older format that the index holds is dropped, files and
+    all (``may_drop``: under the attach lock); one in a newer format (a rolling upgrade's
+    newer nodes) or found only beside it is left alone, and a new store starts beside it."""
     unknown = []
     for store_id in [*ids, *(x for x in _stores_here(paths, prefix) if x not in ids)]:
         meta = _stored_meta(index, prefix, store_id)
         if not meta:
             unknown.append(store_id)
         elif int(meta.get("format", 0)) != FORMAT:
-            _drop_store(index, prefix, store_id, meta, paths,
-                        f"it was written in format {meta.get('format')} and this build reads format {FORMAT}")
+            if may_drop and store_id in ids and int(meta.get("format", 0)) < FORMAT:
+                _drop_store(index, prefix, store_id, meta, paths,
+                            f"it was written in format {meta.get('format')} and this build reads format {FORMAT}")
+            else:
+                unknown.append(store_id)
         else:
             if unknown:
                 logger.warning("tierstore: this index holds nothing for store(s) %s in %s; adopting store %s",
@@ -379,12 +385,12 @@ def _adopt(index: RedisIndex, prefix: str, paths: Sequence[str], ids: Sequence[s
 
 
 def _attach_locked(index: RedisIndex, prefix: str, paths: Sequence[str], capacity: int, shards: Optional[int], now: float,
-                   first: bool, largest_page: Optional[int], access: Modes, node: str) -> Home:
+                   first: bool, largest_page: Optional[int], access: Modes, node: str, locked: bool) -> Home:
     markers = [_read_marker(p, prefix) for p in paths]
     ids = _one_store(markers)
     if first:
         drop_legacy(index, prefix, paths)
-    store_id, meta = _adopt(index, prefix, paths, ids)
+    store_id, meta = _adopt(index, prefix, paths, ids, locked)
     if store_id is None:
         if largest_page is None:
             raise NoStoreYet(f"no store with prefix {prefix!r} in {', '.join(paths)} yet: it is created with the "

@@ -266,9 +266,10 @@ class Files:
             self.log.warning("file_unverified", "%s, but its directory is not provably the store's now (unmounted, "
                              "unreadable, another filesystem): misses, nothing dropped", e)
             return
-        if rec is not None:
-            with self._lock:
-                self._lost[number] = rec.uid
+        if rec is None:  # not a file of ours as far as the index said: nothing to forget
+            return
+        with self._lock:
+            self._lost[number] = rec.uid
         self.metrics.error("file_gone")
         self.log.warning("file_gone", "%s: its pages are dropped", e)
 
@@ -337,6 +338,8 @@ class Files:
                     self.gone(f, e)
                 except PageIOError:
                     pass
+        if not self.pages.read_only:
+            self.pages.heartbeat()
         now = self.clock()
         attach.report_dirs(self.index, self.home.tag, self.home.dirs, now, self.home.node or socket.gethostname())
         for dir_id in attach.retired_dirs(self.index, self.home.tag, list(self.home.dirs), now - dir_retire_s):
