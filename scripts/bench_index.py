@@ -16,6 +16,12 @@ batch, and a housekeeping pass. Measured:
   its region's member blob, which small pages make large);
 - client-side p50/p99 of a probe (``TierStore.exists``) and of a batch's COMMIT round trip.
 
+Then the latency target, paired: a one-node store and a 3-master-cluster store (a replica per
+master), both up at once, take turns (in alternating order) writing a batch of 128 pages of
+4 KiB, ``--paired`` times each, then take turns probing their last batch as often; reported are
+each side's p50 of the COMMIT round trip and of the probe, and the ratio cluster/one node with
+a bootstrap 95% interval (the machine's noise hits both sides alike).
+
 Then, on each cluster, a failover drill: 4 KiB pages in batches of 16, a master SIGKILLed,
 the surviving shards' hit rate right after, the time until every page hits again, and the
 pages lost (committed but not yet replicated). Results are stamped with the commit, the
@@ -207,6 +213,72 @@ def drill(cfg: dict[str, Any], cluster: ClusterProc) -> dict[str, Any]:
         st.close()
 
 
+def paired(server: str, work: Path, iterations: int) -> dict[str, Any]:
+    single = RedisProc(work / f"{server}-pair-single", appendonly=True, server=server)
+    cluster = ClusterProc(work / f"{server}-pair-cluster", server, masters=3, replicas=1)
+    stores = {}
+    try:
+        for name, where in (("one node", {"redis_url": single.url}), ("cluster", {"redis_cluster": cluster.seeds[:3]})):
+            path = tempfile.mkdtemp(dir=work)
+            st = engine({**where, "path": path, "redis_prefix": "pair-" + uuid.uuid4().hex[:6], "capacity_gb": 1.0,
+                         "o_direct": False, "io_threads": 4, "housekeeping_s": 3600, "lease_s": 4 * 3600})
+            stores[name] = (st, st.namespace({"bench": "pair"}, 4096), {"commit": [], "probe": []})
+        buf = [[memoryview(bytearray(os.urandom(4096)))] for _ in range(128)]
+        for name, (st, ns, got) in stores.items():
+            real = st.index.calls_each
+
+            def timed(calls: Any, real: Any = real, got: dict[str, list[float]] = got) -> Any:
+                t0 = time.perf_counter()
+                out = real(calls)
+                if any(c[0] == "commit" for c in calls):
+                    got["commit"].append((time.perf_counter() - t0) * 1e3)
+                return out
+
+            st.index.calls_each = timed  # type: ignore[method-assign]
+            for _ in range(5):  # warm
+                st.write(ns, [uuid.uuid4().hex * 2 for _ in range(128)], buf, False)
+            got["commit"].clear()
+        order = list(stores)
+        last: dict[str, list[str]] = {}
+        for i in range(iterations):  # writes, the two stores in turn
+            for name in (order if i % 2 == 0 else order[::-1]):
+                st, ns, got = stores[name]
+                last[name] = [uuid.uuid4().hex * 2 for _ in range(128)]
+                st.write(ns, last[name], buf, False)
+        time.sleep(1)  # replication and AOF of the writes settle
+        for i in range(iterations):  # then probes of the last batch, in turn
+            for name in (order if i % 2 == 0 else order[::-1]):
+                st, ns, got = stores[name]
+                t0 = time.perf_counter()
+                st.exists([(ns, last[name])])
+                got["probe"].append((time.perf_counter() - t0) * 1e3)
+        out: dict[str, Any] = {"server": server, "iterations": iterations, "page_bytes": 4096, "batch": 128}
+        for what in ("commit", "probe"):
+            a, b = stores["one node"][2][what], stores["cluster"][2][what]
+            out[what] = {"one_node_p50": statistics.median(a), "cluster_p50": statistics.median(b),
+                         "ratio": statistics.median(b) / statistics.median(a), "ratio_ci95": _bootstrap(a, b)}
+        return out
+    finally:
+        for st, _, _ in stores.values():
+            st.close()
+        cluster.stop()
+        single.stop()
+
+
+def _bootstrap(a: list[float], b: list[float], n: int = 2000) -> tuple[float, float]:
+    """95% interval of median(b) / median(a), resampling the rounds (each round has one of each)."""
+    import random
+
+    rnd = random.Random(0)
+    k = min(len(a), len(b))
+    ratios = []
+    for _ in range(n):
+        idx = [rnd.randrange(k) for _ in range(k)]
+        ratios.append(statistics.median(b[i] for i in idx) / statistics.median(a[i] for i in idx))
+    ratios.sort()
+    return ratios[int(0.025 * n)], ratios[int(0.975 * n)]
+
+
 def topologies(server: str, work: Path) -> Iterator[tuple[str, dict[str, Any], Masters, Callable[[], Any]]]:
     single = RedisProc(work / f"{server}-single", appendonly=True, server=server)
     try:
@@ -226,13 +298,25 @@ def main() -> int:
     ap.add_argument("--out", default=str(HERE / "results" / "bench_index"))
     ap.add_argument("--quick", action="store_true", help="4 KiB pages, batches of 16, 5 rounds, one server (a smoke run)")
     ap.add_argument("--rounds", type=int, default=40, help="rounds per configuration (fewer for large batches of large pages)")
+    ap.add_argument("--paired", type=int, default=150, help="rounds of the paired latency comparison (0: none)")
+    ap.add_argument("--only-paired", action="store_true", help="run only the paired comparison (and keep the other results)")
     a = ap.parse_args()
     argv = sys.argv[1:]
     work = Path(tempfile.mkdtemp(prefix="bench-index-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
-    results: dict[str, Any] = {"stamp": stamp(argv), "configs": [], "drills": []}
+    results: dict[str, Any] = {"stamp": stamp(argv), "configs": [], "drills": [], "paired": []}
     servers = ("redis-server",) if a.quick else ("redis-server", "valkey-server")
+    out_json = os.path.join(a.out, "bench_index.json")
+    if a.only_paired and os.path.exists(out_json):
+        with open(out_json) as f:
+            kept = json.load(f)
+        results.update(configs=kept["configs"], drills=kept["drills"])
+        results["stamp"]["configs_from"] = kept["stamp"]
     try:
         for server in servers:
+            if a.paired:
+                results["paired"].append(paired(server, work, 10 if a.quick else a.paired))
+            if a.only_paired:
+                continue
             for topo, cfg, masters, cluster in topologies(server, work):
                 cfg = {**cfg, "path": str(work / "pages")}
                 os.makedirs(cfg["path"], exist_ok=True)
@@ -252,7 +336,7 @@ def main() -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "bench_index.json"), "w") as f:
+    with open(out_json, "w") as f:
         json.dump(results, f, indent=1)
     print(report(results))
     return 0
@@ -278,8 +362,16 @@ def report(res: dict[str, Any]) -> str:
         lines.append(f"{r['server']:13} {r['topology']:17} {page:>7} {r['batch']:>4} {us('commit'):>9} {us('lease'):>8} "
                      f"{us('HMGET'):>8} {us('sweep'):>8} {r['aof_bytes_per_write_batch']:>11.0f} "
                      f"{r['probe_ms']['p50']:>8.3f}/{r['probe_ms']['p99']:<8.3f} {r['commit_ms']['p50']:>8.3f}/{r['commit_ms']['p99']:<8.3f}")
+    if "configs_from" in s:
+        lines.append(f"# the table above: from the run at {s['configs_from']['commit'][:12]} ({s['configs_from']['command']})")
+    for p in res.get("paired", []):
+        for what in ("probe", "commit"):
+            q = p[what]
+            lines.append(f"# paired, {p['server']}, {p['iterations']} rounds of 128 pages of 4 KiB: {what} p50 one node "
+                         f"{q['one_node_p50']:.3f} ms, cluster {q['cluster_p50']:.3f} ms: {q['ratio']:.2f}x "
+                         f"(95% interval {q['ratio_ci95'][0]:.2f}-{q['ratio_ci95'][1]:.2f}x; target 1.5x)")
     singles = {(r["server"], r["page_bytes"], r["batch"]): r for r in res["configs"] if r["topology"] == "1 node"}
-    lines.append("# cluster / 1 node, client p50 (target: probe of 128 keys and COMMIT of 128 pages within 1.5x):")
+    lines.append("# cluster / 1 node, client p50, from the table's rows (measured at different times, unpaired):")
     for r in res["configs"]:
         base = singles.get((r["server"], r["page_bytes"], r["batch"]))
         if r["topology"] != "1 node" and base is not None:
