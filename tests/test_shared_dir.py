@@ -8,13 +8,16 @@ of its own beside the shared one and removes nothing. Every hit is checked byte 
 
 from __future__ import annotations
 
+import json
 import os
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+import redis
 from conftest import RedisProc
 from engine_kit import engine, housekeep
 from scaleout_kit import Workload, settle_and_check
@@ -22,6 +25,8 @@ from stallfs import StalledDisk, _umount
 
 from sglang_tierstore import TierStore
 from sglang_tierstore.cli import main as cli
+from sglang_tierstore.schema import meta_key
+from sglang_tierstore.space.attach import prefix_dir
 
 pytestmark = pytest.mark.slow
 
@@ -196,3 +201,32 @@ def test_a_node_on_the_wrong_index_leaves_the_shared_directory_intact(fleet: Fle
     assert store_dirs(fleet, prefix) == sorted([ours, theirs])
     assert cli(["gc", "--config", cfg, "--min-age-s", "0", "--yes"]) == 0
     assert store_dirs(fleet, prefix) == [ours]
+
+
+def test_a_node_whose_marker_names_a_store_the_index_lacks_adopts_the_one_in_use(tmp_path: Path,
+                                                                                  redis_proc: RedisProc) -> None:
+    """Two stores the index holds sit in one directory (an orphan and the one the fleet uses) and
+    the marker names neither (a node on another index rewrote it): a starting node adopts the
+    store whose directories were reported last, not the first by name."""
+    prefix = "ad" + uuid.uuid4().hex[:8]
+    cfg = {"path": str(tmp_path / "pages"), "redis_url": redis_proc.url, "redis_prefix": prefix,
+           "capacity_gb": 16 / 1024, "io_threads": 2}
+    r = redis.Redis.from_url(redis_proc.url)
+    ids = []
+    for _ in range(2):  # two stores beside each other: the index forgets the first while the second is made
+        with engine(cfg) as st:
+            st.namespace({"m": "adopt"}, 4096)
+            a = st.space.attached()
+            ids.append((a.geometry.store_id, a.tag, {k: v for k, v in r.hgetall(meta_key(a.tag, "meta")).items()}))
+        if len(ids) == 1:
+            r.rename(meta_key(ids[0][1], "meta"), "hidden-meta")
+    r.rename("hidden-meta", meta_key(ids[0][1], "meta"))  # both held by the index now
+    orphan, in_use = sorted(ids, key=lambda x: x[0])  # the orphan first by name, where a scan would look first
+    for store, seen in ((orphan, 1.0), (in_use, time.time())):
+        r.hset(meta_key(store[1], "dirs"), mapping={d: json.dumps({"path": "x", "host": "h", "seen": seen})
+                                                    for d in r.hkeys(meta_key(store[1], "dirs"))})
+    marker = Path(prefix_dir(cfg["path"], prefix)) / "store.json"
+    doc = json.loads(marker.read_text())
+    marker.write_text(json.dumps({**doc, "store": "f" * 16}))  # a store this index never held
+    with engine(cfg) as st:
+        assert st.space.attached().geometry.store_id == in_use[0]

@@ -437,6 +437,9 @@ class RedisIndex:
         """SET NX PX: whether this call set the key (a lock taken)."""
         return self._one(key, "SET", key, value, "NX", "PX", ttl_ms) is not None
 
+    def get(self, key: str) -> Optional[bytes]:
+        return self._one(key, "GET", key)  # type: ignore[no-any-return]
+
     def delete_if(self, key: str, value: str) -> bool:
         """Delete the key if it still holds ``value`` (a lock given back by its holder only)."""
         return bool(self.call("unlock", [key], [value]))

@@ -77,8 +77,8 @@ logger = logging.getLogger(__name__)
 GiB = 1 << 30
 
 MARKER = "store.json"
-LOCK_TTL_MS = 60_000  # an attach lock whose holder died lapses after this
-LOCK_WAIT_S = 70.0  # how long an attach waits for another node's (longer than LOCK_TTL_MS)
+LOCK_TTL_MS = 120_000  # an attach lock whose holder died lapses after this
+LOCK_WAIT_S = 130.0  # how long an attach waits for another node's (longer than LOCK_TTL_MS)
 SHARDS_PER_MASTER = 4  # a cluster store's default shards per master: load spreads, a reshard moves a quarter
 _SAFE = re.compile(r"^[A-Za-z0-9_.-]+$")
 _LEGACY_KINDS = ("e", "c", "free", "pend", "lease", "lru", "bad")
@@ -154,24 +154,42 @@ def lock_key(prefix: str) -> str:
     return f"{{{prefix}:attach}}:lock"
 
 
+@dataclass
+class _Lock:
+    """The fleet's attach lock as this attach holds it (``held`` False: without it)."""
+
+    index: RedisIndex
+    key: str
+    token: str
+    held: bool
+
+    def still_held(self) -> None:
+        """Before writing what makes a store (its meta, the markers): IndexUnavailable if the
+        lock lapsed meanwhile (a stalled attach: another may be attaching now)."""
+        if self.held and self.index.get(self.key) != self.token.encode():
+            raise IndexUnavailable(f"the attach lock {self.key} lapsed during this attach: trying again later")
+
+
 @contextmanager
-def _index_locked(index: RedisIndex, prefix: str, node: str) -> Iterator[bool]:
-    """The fleet's attach lock: yields whether it is held. An index that refuses writes
-    (full, read-only) can take no lock: the attach then only adopts (drops nothing)."""
+def _index_locked(index: RedisIndex, prefix: str, node: str) -> Iterator[_Lock]:
+    """The fleet's attach lock. An index that refuses writes (full, read-only) can take no
+    lock: the attach then only adopts (drops nothing)."""
     token = f"{node}:{os.getpid()}:{secrets.token_hex(6)}"
     key = lock_key(prefix)
     deadline = mod_time.monotonic() + LOCK_WAIT_S
     try:
         while not index.set_nx(key, token, LOCK_TTL_MS):
+            if index.get(key) == token.encode():  # the reply to our SET was lost, not the SET
+                break
             if mod_time.monotonic() > deadline:
                 raise IndexUnavailable(f"another process has held the attach lock {key} for over {LOCK_WAIT_S:g} s")
             mod_time.sleep(0.05)
     except IndexRefusesWrites as e:
         logger.warning("tierstore: attaching without the index's lock (%s): adopting only, dropping nothing", e)
-        yield False
+        yield _Lock(index, key, token, False)
         return
     try:
-        yield True
+        yield _Lock(index, key, token, True)
     finally:
         try:
             index.delete_if(key, token)
@@ -294,9 +312,11 @@ def attach(index: RedisIndex, prefix: str, paths: Sequence[str], capacity: int, 
     name (``node_name``), in the lock's token and the directories' reports."""
     node = node or socket.gethostname()
     try:
-        with _locked(paths, prefix, access), _index_locked(index, prefix, node) as held:
-            return _attach_locked(index, prefix, paths, capacity, shards, now, first and held, largest_page, access,
-                                  node, held)
+        # the fleet's lock first: flock, where it works across nodes, is taken in each node's
+        # order of its own paths, which may differ between nodes
+        with _index_locked(index, prefix, node) as lock, _locked(paths, prefix, access):
+            return _attach_locked(index, prefix, paths, capacity, shards, now, first and lock.held, largest_page,
+                                  access, node, lock)
     except TierStoreError:
         raise
     except PermissionError as e:
@@ -361,6 +381,7 @@ def _adopt(index: RedisIndex, prefix: str, paths: Sequence[str], ids: Sequence[s
     all (``may_drop``: under the attach lock); one in a newer format (a rolling upgrade's
     newer nodes) or found only beside it is left alone, and a new store starts beside it."""
     unknown = []
+    found: list[tuple[float, str, dict[str, str]]] = []
     for store_id in [*ids, *(x for x in _stores_here(paths, prefix) if x not in ids)]:
         meta = _stored_meta(index, prefix, store_id)
         if not meta:
@@ -371,11 +392,15 @@ def _adopt(index: RedisIndex, prefix: str, paths: Sequence[str], ids: Sequence[s
                             f"it was written in format {meta.get('format')} and this build reads format {FORMAT}")
             else:
                 unknown.append(store_id)
-        else:
-            if unknown:
-                logger.warning("tierstore: this index holds nothing for store(s) %s in %s; adopting store %s",
-                               ", ".join(unknown), ", ".join(paths), store_id)
+        elif store_id in ids:
             return store_id, meta
+        else:
+            found.append((_last_seen(index, store_tag(prefix, store_id)), store_id, meta))
+    if found:  # the store the other nodes use now: the one whose directories were reported last
+        _, store_id, meta = max(found)
+        logger.warning("tierstore: this index holds nothing for store(s) %s in %s; adopting store %s, which is in use "
+                       "beside them", ", ".join(unknown) or "(none)", ", ".join(paths), store_id)
+        return store_id, meta
     if unknown:
         logger.warning("tierstore: this index holds nothing for store(s) %s in %s (Redis lost its data, it was dropped, "
                        "or another node's index holds it: check redis_url); their directories stay (`tierstore gc` "
@@ -385,16 +410,17 @@ def _adopt(index: RedisIndex, prefix: str, paths: Sequence[str], ids: Sequence[s
 
 
 def _attach_locked(index: RedisIndex, prefix: str, paths: Sequence[str], capacity: int, shards: Optional[int], now: float,
-                   first: bool, largest_page: Optional[int], access: Modes, node: str, locked: bool) -> Home:
+                   first: bool, largest_page: Optional[int], access: Modes, node: str, lock: _Lock) -> Home:
     markers = [_read_marker(p, prefix) for p in paths]
     ids = _one_store(markers)
     if first:
         drop_legacy(index, prefix, paths)
-    store_id, meta = _adopt(index, prefix, paths, ids, locked)
+    store_id, meta = _adopt(index, prefix, paths, ids, lock.held)
     if store_id is None:
         if largest_page is None:
             raise NoStoreYet(f"no store with prefix {prefix!r} in {', '.join(paths)} yet: it is created with the "
                              "first pages' size")
+        lock.still_held()
         store_id = secrets.token_hex(8)
         try:
             rb = region_bytes_for(capacity, largest_page)
@@ -475,6 +501,17 @@ def retired_dirs(index: RedisIndex, tag: str, mine: Sequence[str], older_than: f
         if seen < older_than:
             out.append(dir_id)
     return out
+
+
+def _last_seen(index: RedisIndex, tag: str) -> float:
+    """When a process last reported one of the store's directories (0: never)."""
+    seen = [0.0]
+    for raw in index.hgetall(meta_key(tag, "dirs")).values():
+        try:
+            seen.append(float(json.loads(raw)["seen"]))
+        except (ValueError, KeyError, TypeError):
+            pass
+    return max(seen)
 
 
 def forget_dir(index: RedisIndex, tag: str, dir_id: str) -> None:
