@@ -230,15 +230,17 @@ class RedisIndex:
             for attempt in range(_REDIRECTS + 1):
                 topo.refresh_if_stale()
                 groups: dict[int, tuple[Node, list[int]]] = {}
+                unmapped = []  # slots the map has no master for (read while the cluster was failing over)
                 for k in todo:
                     try:
                         node = ask.get(k) or topo.node_for(items[k][0])
                     except IndexUnavailable as e:
                         out[k] = e
+                        unmapped.append(k)
                         continue
                     groups.setdefault(id(node), (node, []))[1].append(k)
                 replies = _exchange([(node, [self._commands(items[k], k in ask) for k in ks]) for node, ks in groups.values()])
-                retry, settle = [], False
+                retry, settle = list(unmapped), bool(unmapped)
                 ask = {}
                 for (node, ks), got in zip(groups.values(), replies):
                     for k, o in zip(ks, got):

@@ -149,6 +149,7 @@ class Cluster(Topology):
     def node_for(self, key: str) -> Node:
         n = self._slots[key_slot(key.encode())]
         if n is None:
+            self._stale = True  # read again before the next round trip
             raise IndexUnavailable(f"{self.name}: no master serves slot {key_slot(key.encode())} (key {key!r})")
         return n
 
