@@ -19,6 +19,7 @@ from scaleout_kit import Workload, settle_and_check, shard_of_key
 
 from sglang_tierstore import TierStore
 from sglang_tierstore.config import TierStoreConfig
+from sglang_tierstore.errors import ConfigError
 from sglang_tierstore.index import RedisIndex
 from sglang_tierstore.schema import shard_key
 from sglang_tierstore.space.library import LIBRARY
@@ -251,3 +252,11 @@ def test_a_slot_the_map_lacks_is_read_again_within_the_call(tmp_path: Path, shar
         topo._stale = False
         assert all(w.read()) and w.tally.wrong == 0
         assert settle_and_check(st) == []
+
+
+def test_a_seed_that_is_not_a_cluster_node_is_a_config_error_naming_redis_cluster(tmp_path: Path,
+                                                                                   redis_proc: Any) -> None:
+    cfg = TierStoreConfig.from_dict({"path": str(tmp_path / "p"), "redis_cluster": [f"127.0.0.1:{redis_proc.port}"]})
+    assert cfg.index_target is not None
+    with pytest.raises(ConfigError, match=r"'redis_cluster': 127\.0\.0\.1:\d+ is not a cluster node"):
+        TierStore(cfg, cfg.index_target).space.attached()

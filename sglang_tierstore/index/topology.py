@@ -23,7 +23,7 @@ from redis.retry import Retry
 from redis.sentinel import Sentinel
 
 from sglang_tierstore.config import ClusterSeeds, SentinelGroup, Target, host_port, redact_url
-from sglang_tierstore.errors import ConfigError, IndexUnavailable
+from sglang_tierstore.errors import ConfigError, IndexUnavailable, TierStoreError
 from sglang_tierstore.perms import TlsFiles
 
 SLOTS = REDIS_CLUSTER_HASH_SLOTS
@@ -198,7 +198,16 @@ class Cluster(Topology):
             seen.add(id(node))
             try:
                 raw = node.client.execute_command("CLUSTER SLOTS")
-            except (redis.ConnectionError, redis.TimeoutError, OSError, redis.ResponseError) as e:
+            except redis.exceptions.NoPermissionError as e:
+                raise TierStoreError(f"{self.name}: redis refused this user ({e}); it needs the ACL rules of "
+                                     "sglang_tierstore.index.acl_rule(redis_prefix)") from e
+            except redis.ResponseError as e:
+                if "cluster support disabled" in str(e).lower():
+                    raise ConfigError(f"tierstore config key 'redis_cluster': {node.name} is not a cluster node "
+                                      f"({e}); give a single server as redis_url") from e
+                errors.append(f"{node.name}: {e}")
+                continue
+            except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
                 errors.append(f"{node.name}: {e}")
                 continue
             slots = self._parse(raw, node)
