@@ -42,6 +42,8 @@ class Monitor:
         self.cond = threading.Condition()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
+        with self.cond:  # only once the server answered MONITOR does it show other clients' commands
+            assert self.cond.wait_for(lambda: self.buf.startswith(b"+OK\r\n"), HANG_S), "MONITOR was not answered"
 
     def _run(self) -> None:
         while True:
