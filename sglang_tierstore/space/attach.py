@@ -327,23 +327,25 @@ def attach(index: RedisIndex, prefix: str, paths: Sequence[str], capacity: int, 
         raise StoreDirsUnavailable(f"the store's directories cannot be written now ({e.filename}: {e.strerror})") from e
 
 
-def _stores_here(paths: Sequence[str], prefix: str) -> list[str]:
-    """Ids of the store directories under the prefix in these paths that carry their own marker."""
-    found = []
+def _store_dirs(paths: Sequence[str], prefix: str) -> Iterator[tuple[str, str]]:
+    """(store id, directory) of every directory under the prefix in these paths named like a store."""
     for p in paths:
         try:
             names = sorted(os.listdir(prefix_dir(p, prefix)))
         except OSError:
             continue
         for name in names:
-            if re.match(r"^[0-9a-f]{16}$", name) and name not in found:
-                try:
-                    with open(os.path.join(prefix_dir(p, prefix), name, MARKER)) as f:
-                        doc = json.load(f)
-                except (OSError, ValueError):
-                    continue
-                if isinstance(doc, dict) and doc.get("prefix") == prefix and doc.get("store") == name:
-                    found.append(name)
+            d = os.path.join(prefix_dir(p, prefix), name)
+            if re.match(r"^[0-9a-f]{16}$", name) and os.path.isdir(d):
+                yield name, d
+
+
+def _stores_here(paths: Sequence[str], prefix: str) -> list[str]:
+    """Ids of the store directories under the prefix in these paths that carry their own marker."""
+    found: list[str] = []
+    for name, d in _store_dirs(paths, prefix):
+        if name not in found and _read_own_marker(d, prefix, name) is not None:
+            found.append(name)
     return found
 
 
@@ -352,21 +354,15 @@ def unclaimed(index: RedisIndex, prefix: str, paths: Sequence[str], older_than: 
     this index does not hold and where nothing changed since ``older_than`` (a time):
     what ``tierstore gc`` removes. Reads only."""
     out = []
-    for p in paths:
+    for name, d in _store_dirs(paths, prefix):
+        if _stored_meta(index, prefix, name):
+            continue
         try:
-            names = sorted(os.listdir(prefix_dir(p, prefix)))
+            newest = max([os.stat(d).st_mtime, *(e.stat().st_mtime for e in os.scandir(d))])
         except OSError:
             continue
-        for name in names:
-            d = os.path.join(prefix_dir(p, prefix), name)
-            if not re.match(r"^[0-9a-f]{16}$", name) or not os.path.isdir(d) or _stored_meta(index, prefix, name):
-                continue
-            try:
-                newest = max([os.stat(d).st_mtime, *(e.stat().st_mtime for e in os.scandir(d))])
-            except OSError:
-                continue
-            if newest < older_than:
-                out.append((name, d))
+        if newest < older_than:
+            out.append((name, d))
     return out
 
 
