@@ -27,13 +27,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import re
 import statistics
 import subprocess
 import sys
 import tempfile
 from typing import Any, Callable
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from compare import unpaired_ratio  # noqa: E402
 
 HANG = 'mock.patch.object(ts_store, "MAX_RUN_BYTES", 0)'
 UNHUNG = 'mock.patch.object(ts_store, "MAX_RUN_BYTES", min(ts_store.MAX_RUN_BYTES, be._pool("kv").ns.page_bytes))'
@@ -137,12 +139,13 @@ def report(*outs: str) -> None:
     runs = {name: [r for out in outs for r in of(name, out)] for name in ("old", "new")}
     print(f"runs from: {', '.join(outs)}")
     for name, rs in runs.items():
-        commit = rs[0]["package"]["commit"]
+        commit = (rs[0].get("stamp") or rs[0]["package"])["commit"]  # "package": bench_io.py before stamps
         shown = subprocess.run(["git", "show", f"{commit}:scripts/bench_io.py"], capture_output=True, text=True).stdout
         note = " (its bench_io.py's coalescing-off line patched to one page per I/O: it hangs as committed)" if HANG in shown else ""
         print(f"{name}: {commit}{note}; seeds {', '.join(str(r['seed']) for r in rs)}")
-    print(f"bench_io arguments: {runs['new'][0]['command']}")
-    print(f"machine: {json.dumps(runs['new'][0].get('machine', {}))}")
+    first = runs["new"][0].get("stamp") or runs["new"][0]
+    print(f"bench_io arguments: {first['command']}")
+    print(f"machine: {json.dumps(first.get('machine', {}))}")
     sizes = list(runs["new"][0]["sizes"])
     width = 5 * max(len(runs["old"]), len(runs["new"]))
     print(f"\n{'figure':<44} {'size':>5}  {'old runs':<{width}} {'new runs':<{width}} {'old med':>8} {'new med':>8} "
@@ -153,18 +156,11 @@ def report(*outs: str) -> None:
             new = [fn(r, size) for r in runs["new"]]
             mo, mn = statistics.median(old), statistics.median(new)
             spread = max(old) / min(old) if min(old) > 0 else float("nan")
-            lo, hi = interval(old, new)
+            iv = unpaired_ratio(new, old)
+            lo, hi = iv["lo"], iv["hi"]
             print(f"{fig:<44} {size:>5}  {' '.join(f'{v:.2f}' for v in old):<{width}} "
                   f"{' '.join(f'{v:.2f}' for v in new):<{width}} {mo:8.2f} {mn:8.2f} {mn / mo:8.2f} "
                   f"{f'{lo:.2f}-{hi:.2f}':>13} {spread:10.2f}")
-
-
-def interval(old: list[float], new: list[float], rounds: int = 4000) -> tuple[float, float]:
-    """95% bootstrap interval of median(new) / median(old): runs resampled with replacement."""
-    rnd = random.Random(19)
-    ratios = sorted(statistics.median(rnd.choices(new, k=len(new))) / statistics.median(rnd.choices(old, k=len(old)))
-                    for _ in range(rounds))
-    return ratios[int(0.025 * rounds)], ratios[int(0.975 * rounds) - 1]
 
 
 if __name__ == "__main__":

@@ -33,10 +33,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,8 +48,11 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 import redis  # noqa: E402
 from redis.crc import key_slot  # noqa: E402
 from clusters import ClusterProc  # noqa: E402
-from conftest import RedisProc, server_path, server_version  # noqa: E402
+from conftest import RedisProc  # noqa: E402
 from engine_kit import engine, housekeep  # noqa: E402
+
+sys.path.insert(0, str(HERE))
+from provenance import header, stamp  # noqa: E402
 
 from sglang_tierstore.errors import StoreUnavailable  # noqa: E402
 from sglang_tierstore.schema import entry_field, shard_of  # noqa: E402
@@ -61,16 +62,10 @@ PAGES = (4 * KiB, 256 * KiB, 2 * MiB)
 BATCHES = (1, 16, 128)
 
 
-def stamp(argv: list[str]) -> dict[str, Any]:
-    def git(*a: str) -> str:
-        return subprocess.run(["git", "-C", str(HERE.parent), *a], capture_output=True, text=True).stdout.strip()
-
-    mem = next((ln.split()[1] for ln in open("/proc/meminfo") if ln.startswith("MemTotal")), "?")
-    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
-            "command": " ".join(["scripts/bench_index.py", *argv]), "python": platform.python_version(),
-            "redis_py": redis.__version__, "kernel": platform.release(), "cores": os.cpu_count(),
-            "mem_kib": int(mem) if mem.isdigit() else mem,
-            "servers": {n: server_version(server_path(n)) for n in ("redis-server", "valkey-server")}}
+SERVER_FLAGS = ["1 node: --bind 127.0.0.1 --save '' --appendonly yes --protected-mode no",
+                "cluster: --cluster-enabled yes --cluster-node-timeout <drill> --cluster-require-full-coverage no "
+                "--appendonly yes --save '' --repl-diskless-sync-delay 0, a replica per master",
+                "every master: slowlog-log-slower-than 0"]
 
 
 class Masters:
@@ -301,9 +296,8 @@ def main() -> int:
     ap.add_argument("--paired", type=int, default=150, help="rounds of the paired latency comparison (0: none)")
     ap.add_argument("--only-paired", action="store_true", help="run only the paired comparison (and keep the other results)")
     a = ap.parse_args()
-    argv = sys.argv[1:]
     work = Path(tempfile.mkdtemp(prefix="bench-index-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
-    results: dict[str, Any] = {"stamp": stamp(argv), "configs": [], "drills": [], "paired": []}
+    results: dict[str, Any] = {"stamp": stamp(directory=str(work), server_flags=SERVER_FLAGS), "configs": [], "drills": [], "paired": []}
     servers = ("redis-server",) if a.quick else ("redis-server", "valkey-server")
     out_json = os.path.join(a.out, "bench_index.json")
     if a.only_paired and os.path.exists(out_json):
@@ -344,10 +338,7 @@ def main() -> int:
 
 def report(res: dict[str, Any]) -> str:
     s = res["stamp"]
-    lines = [f"# bench_index at {s['commit'][:12]}{' (dirty)' if s['dirty'] else ''}: {s['command']}",
-             f"# {s['cores']} cores, {s['mem_kib'] // 1024 if isinstance(s['mem_kib'], int) else '?'} MiB, kernel "
-             f"{s['kernel']}, python {s['python']}, redis-py {s['redis_py']}",
-             *(f"# {n}: {v}" for n, v in s["servers"].items()),
+    lines = [header(s),
              "# server us: SLOWLOG medians per call on the masters; AOF: bytes appended per write batch over the masters;",
              "# probe/commit: client wall ms (p50/p99) of TierStore.exists and of a batch's COMMIT round trip",
              f"{'server':13} {'topology':17} {'page':>7} {'n':>4} {'commit us':>9} {'lease us':>8} {'hmget us':>8} "

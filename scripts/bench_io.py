@@ -102,6 +102,10 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 import torch  # noqa: E402
 from pools import fill, mha_pool, mla_pool, page_indices, storage_config  # noqa: E402
+
+sys.path.insert(0, HERE)
+from compare import Interval, paired_ratio, say, unpaired_ratio  # noqa: E402
+from provenance import header, stamp  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import HiCacheFile, PoolName, PoolTransfer  # noqa: E402
 
 from sglang_tierstore import TierStoreBackend, inspect  # noqa: E402
@@ -110,6 +114,7 @@ from sglang_tierstore.hostmem import ALIGN  # noqa: E402
 from sglang_tierstore.schema import entry_field  # noqa: E402
 
 BATCH = 128
+REDIS_FLAGS = ["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
 # page bytes -> MHA geometry (tokens per page, layers, KV heads, head dim), bf16, K and V
 GEOMETRY = {
     256 << 10: (16, 8, 8, 64),
@@ -125,10 +130,12 @@ def sgl_key() -> str:
     return hashlib.sha256(uuid.uuid4().bytes).hexdigest()
 
 
-def stats(samples: list[float]) -> dict[str, float]:
+def stats(samples: list[float]) -> dict[str, Any]:
+    """Median, p90, p99 and the samples themselves in round order (what the paired
+    comparisons pair on)."""
     s = sorted(samples)
     pick = lambda q: s[min(len(s) - 1, int(q * len(s)))]  # noqa: E731
-    return {"median": statistics.median(s), "p90": pick(0.9), "p99": pick(0.99), "n": len(s)}
+    return {"median": statistics.median(s), "p90": pick(0.9), "p99": pick(0.99), "n": len(s), "samples": list(samples)}
 
 
 def timed(fn: Callable[[], Any]) -> float:
@@ -160,8 +167,8 @@ def start_redis(workdir: str) -> tuple[subprocess.Popen[bytes], str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", workdir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(["redis-server", "--port", str(port), *REDIS_FLAGS, "--dir", workdir],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for _ in range(200):
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
@@ -516,7 +523,7 @@ def count_redis_time(be: TierStoreBackend) -> RedisTime:
     """Wrap the backend's index calls to add up the time spent waiting on Redis."""
     acc = RedisTime()
     idx = be.store.index
-    for name in ("hmget", "calls"):
+    for name in ("hmget_each", "calls_each"):  # the leaves every index call of a batch goes through
         fn = getattr(idx, name)
 
         def timed_call(*a: Any, _fn: Callable[..., Any] = fn, **k: Any) -> Any:
@@ -731,6 +738,8 @@ def bench_mixed(work: str, url: str, size: int, threads: int, repeat: int, reads
         "write_mixed": ts["write_mixed_gbps"]["median"] / disk["write_mixed_gbps"]["median"],
         "write_alone_without_redis": ts["write_alone_without_redis_gbps"] / disk["write_alone_gbps"]["median"],
     }
+    row["intervals"] = {f"{m}": unpaired_ratio(ts[m]["samples"], disk[m]["samples"])
+                        for m in ("read_mixed_ms", "read_idle_ms", "write_alone_gbps", "write_mixed_gbps")}
     return row
 
 
@@ -752,6 +761,9 @@ def print_mixed(spec: str, row: dict[str, Any]) -> None:
     print(f"  ts / disk, read under writes: p50 {mixed['median']:.2f}, p90 {mixed['p90']:.2f}, p99 {mixed['p99']:.2f}"
           f" (target <= 1.3); read idle: p50 {idle['median']:.2f}, p90 {idle['p90']:.2f}, p99 {idle['p99']:.2f}")
     print(f"  ts / disk, write alone {r['write_alone']:.2f} (target >= 0.9), write under reads {r['write_mixed']:.2f}")
+    print("  ts / disk, medians of all batches with a 95% interval (each side resampled):")
+    for m, iv in row["intervals"].items():
+        print(f"    {m:<18} {say(iv)}")
     gb, rms = size * BATCH / 1e9, row["ts"]["write_redis_ms"]["median"]
     print(f"  ts write batch alone: {1e3 * gb / row['ts']['write_alone_gbps']['median']:.1f} ms, of which {rms:.1f} ms"
           f" waiting on Redis (median of all batches); without it / disk: {r['write_alone_without_redis']:.2f}")
@@ -773,7 +785,8 @@ def bench_size(work: str, url: str, size: int, threads: int, repeat: int, rng: r
         "ts_v2": tierstore_rounds(work, url, mha, threads, True, False, info["ts_v2"]),
         "ts_mla": tierstore_rounds(work, url, mla, threads, False, True, info["ts_mla"]),
         "ts_v1_nocks": tierstore_rounds(work, url, mha, threads, False, False, {}, checksum=False),
-        "ts_v1_nocoal": tierstore_rounds(work, url, mha, threads, False, False, {}, coalesce=False),
+        **({"ts_v1_nocoal": tierstore_rounds(work, url, mha, threads, False, False, {}, coalesce=False)}
+           if size < ts_store.MAX_RUN_BYTES else {}),  # pages as large as a run: coalescing off is the same code
         "ts_steady": steady_rounds(work, url, mha, half, threads, info["ts_steady"]),
         "ts_cycle": cycle_rounds(work, url, mha, half, threads),
     }, repeat, rng)
@@ -783,20 +796,6 @@ def bench_size(work: str, url: str, size: int, threads: int, repeat: int, rng: r
         row[name] = {**rates(nbytes, rounds), **info.get(name, {})}
     row["ts_mla"]["page_bytes"] = page_bytes(mla)
     return row
-
-
-def package_source() -> dict[str, Any]:
-    """The sglang_tierstore this run measures (PYTHONPATH picks the checkout; without it,
-    the installed one) and its checkout's commit, and whether its package files differ from it."""
-    import sglang_tierstore
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(sglang_tierstore.__file__)))
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True).stdout.strip()
-
-    return {"file": sglang_tierstore.__file__, "commit": git("rev-parse", "HEAD"),
-            "modified": bool(git("status", "--porcelain", "--", "sglang_tierstore")), "pythonpath": os.environ.get("PYTHONPATH", "")}
 
 
 def main() -> int:
@@ -818,14 +817,12 @@ def main() -> int:
     units = {"K": 1 << 10, "M": 1 << 20}
     rng = random.Random(a.seed)
     report: dict[str, Any] = {
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]), "package": package_source(),
+        "stamp": stamp(directory=a.dir, server_flags=REDIS_FLAGS),
         "threads": a.threads, "batch": BATCH, "repeat": a.repeat, "seed": a.seed, "sizes": {},
-        "machine": {"cpus": os.cpu_count(), "dir": a.dir},
     }
+    print(header(report["stamp"]))
     if a.mixed:
         report.update(reads=a.reads, pause_s=a.pause, read_bytes=READ_BYTES, read_sets=READ_SETS, keep=KEEP)
-        pkg = report["package"]
-        print(f"sglang_tierstore: {pkg['file']} (commit {pkg['commit'][:10]}{', modified' if pkg['modified'] else ''})")
     try:
         for spec in (a.sizes or ("256K,2M,8M" if a.mixed else "256K,1M,2M,8M")).split(","):
             size = int(spec[:-1]) * units[spec[-1]]
@@ -834,12 +831,14 @@ def main() -> int:
                 print_mixed(spec, row)
             else:
                 row = bench_size(work, url, size, a.threads, a.repeat, rng)
+                row["ratios"] = size_ratios(row)
                 print_row(spec, row)
             report["sizes"][spec] = row
             sys.stdout.flush()
         if not a.mixed:
             measure_syscall(work)
             report["probe"] = bench_probe(work, url, a.probe_repeat)
+            report["probe"]["ratios"] = probe_ratios(report["probe"])
             print_probe(report["probe"])
     finally:
         redis_proc.kill()
@@ -854,43 +853,66 @@ def med(d: dict[str, Any], key: str) -> float:
     return float(d[key]["median"])
 
 
+# (figure, system over system, metric): the paired comparisons each page size reports
+RATIOS: tuple[tuple[str, str, str, str], ...] = (
+    ("cold read / O_DIRECT read", "ts_v1", "disk", "read_cold_gbps"),
+    ("write / O_DIRECT write", "ts_v1", "disk", "write_gbps"),
+    ("v2 cold read / O_DIRECT read", "ts_v2", "disk", "read_cold_gbps"),
+    ("MLA cold read / O_DIRECT read", "ts_mla", "disk", "read_cold_gbps"),
+    ("eviction (steady / same footprint never evicting): write", "ts_steady", "ts_cycle", "write_gbps"),
+    ("eviction (steady / same footprint never evicting): cold read", "ts_steady", "ts_cycle", "read_cold_gbps"),
+    ("coalescing on / off: write", "ts_v1", "ts_v1_nocoal", "write_gbps"),
+    ("coalescing on / off: cold read", "ts_v1", "ts_v1_nocoal", "read_cold_gbps"),
+    ("tierstore / HiCacheFile: write", "ts_v1", "hicache", "write_gbps"),
+    ("tierstore / HiCacheFile: cold read", "ts_v1", "hicache", "read_cold_gbps"),
+    ("tierstore / HiCacheFile: warm read", "ts_v1", "hicache", "read_warm_gbps"),
+    ("diagnostic, no hashing / with: write", "ts_v1_nocks", "ts_v1", "write_gbps"),
+)
+
+
+def size_ratios(row: dict[str, Any]) -> dict[str, Interval]:
+    """Every figure of RATIOS whose two systems ran at this size: per-round ratios (round i
+    of both systems ran in the same shuffled round), median and 95% interval."""
+    return {fig: paired_ratio(row[a][m]["samples"], row[b][m]["samples"])
+            for fig, a, b, m in RATIOS if a in row and b in row}
+
+
 def print_row(spec: str, row: dict[str, Any]) -> None:
-    disk_r, disk_w, hf = med(row["disk"], "read_cold_gbps"), med(row["disk"], "write_gbps"), row["hicache"]
     print(f"\n{spec} pages ({row['page_bytes']} B; MLA {row['ts_mla']['page_bytes']} B), batch {BATCH}: GB/s median [p90 p99]")
     for name in ("disk", "hicache", "ts_v1", "ts_v2", "ts_mla", "ts_v1_nocks", "ts_v1_nocoal", "ts_steady", "ts_cycle"):
+        if name not in row:
+            continue
         r = row[name]
         line = "  ".join(f"{k[:-5]:>10} {med(r, k):6.2f} [{r[k]['p90']:.2f} {r[k]['p99']:.2f}]" for k in ("write_gbps", "read_cold_gbps", "read_warm_gbps"))
         print(f"  {name:<12} {line}")
-    v1 = row["ts_v1"]
-    print(f"  ts_v1 / disk: write {med(v1, 'write_gbps') / disk_w:.2f}, cold read {med(v1, 'read_cold_gbps') / disk_r:.2f};"
-          f"  ts_v1 / hicache: write {med(v1, 'write_gbps') / med(hf, 'write_gbps'):.2f}, cold read "
-          f"{med(v1, 'read_cold_gbps') / med(hf, 'read_cold_gbps'):.2f}, warm read {med(v1, 'read_warm_gbps') / med(hf, 'read_warm_gbps'):.2f}")
-    nc, gb = row["ts_v1_nocks"], row["page_bytes"] * BATCH / 1e9
+    print(f"  paired per round ({row['disk']['write_gbps']['n']} rounds), median ratio and 95% interval:")
+    for fig, iv in row["ratios"].items():
+        print(f"    {fig:<62} {say(iv)}")
+    if "ts_v1_nocoal" not in row:
+        print(f"    coalescing on / off: not run (pages of {row['page_bytes']} B are as large as a coalesced run: the same code)")
+    v1, gb = row["ts_v1"], row["page_bytes"] * BATCH / 1e9
+    disk_r, disk_w = med(row["disk"], "read_cold_gbps"), med(row["disk"], "write_gbps")
     for op, calls, rate, limit in (("write", "commit", "write_gbps", disk_w), ("cold read", "HMGET", "read_cold_gbps", disk_r)):
         rms, secs = v1[op.split()[-1] + "_redis_ms"]["median"], gb / med(v1, rate)
         print(f"  ts_v1 {op} batch: {1e3 * secs:.1f} ms, of which {rms:.1f} ms in Redis ({calls});"
               f" without it / disk: {gb / (secs - rms / 1e3) / limit:.2f}")
-    print(f"  diagnostic: ts_v1 without hashing the bytes / disk: write {med(nc, 'write_gbps') / disk_w:.2f},"
-          f" cold read {med(nc, 'read_cold_gbps') / disk_r:.2f}")
-    co = row["ts_v1_nocoal"]
-    print(f"  coalescing adjacent slots: ts_v1 / ts_v1_nocoal: write {med(v1, 'write_gbps') / med(co, 'write_gbps'):.2f},"
-          f" cold read {med(v1, 'read_cold_gbps') / med(co, 'read_cold_gbps'):.2f}")
     st = row["ts_steady"]
     ev = st["regions_evicted_per_round"]["median"] if st.get("regions_evicted_per_round") else 0
-    print(f"  steady state (store full, {ev:.0f} regions of {st['region_bytes'] >> 20} MiB evicted per round, second page size"
-          f" {st['other_page_bytes']} B): ts_steady / ts_v1: write {med(st, 'write_gbps') / med(v1, 'write_gbps'):.2f},"
-          f" cold read {med(st, 'read_cold_gbps') / med(v1, 'read_cold_gbps'):.2f}; ts_steady / disk: write"
-          f" {med(st, 'write_gbps') / disk_w:.2f}, cold read {med(st, 'read_cold_gbps') / disk_r:.2f}")
-    cy = row["ts_cycle"]
-    print(f"  what eviction costs, ts_steady / ts_cycle (the same footprint, never evicting): write"
-          f" {med(st, 'write_gbps') / med(cy, 'write_gbps'):.2f}, cold read {med(st, 'read_cold_gbps') / med(cy, 'read_cold_gbps'):.2f}")
+    print(f"  steady state: store full, {ev:.0f} regions of {st['region_bytes'] >> 20} MiB evicted per round, second page size"
+          f" {st['other_page_bytes']} B")
+
+
+def probe_ratios(p: dict[str, Any]) -> dict[str, Interval]:
+    """Each probe case over one MGET of the same 128 keys, paired per repetition."""
+    return {k: paired_ratio(p[k]["samples"], p["mget_128"]["samples"])
+            for k in ("hmget_128", "probe_all_hit", "probe_first_missing", "probe_last_missing")}
 
 
 def print_probe(p: dict[str, Any]) -> None:
-    mget = med(p, "mget_128")
-    print(f"\nprobe of {BATCH} keys, ms median [p90 p99], ratio to one MGET of the same keys")
+    print(f"\nprobe of {BATCH} keys, ms median [p90 p99], ratio to one MGET of the same keys (paired per repetition, 95% interval)")
     for k in ("mget_128", "hmget_128", "probe_all_hit", "probe_first_missing", "probe_last_missing"):
-        print(f"  {k:<20} {med(p, k):.3f} [{p[k]['p90']:.3f} {p[k]['p99']:.3f}]  {med(p, k) / mget:.2f}x")
+        iv = p["ratios"].get(k)
+        print(f"  {k:<20} {med(p, k):.3f} [{p[k]['p90']:.3f} {p[k]['p99']:.3f}]  {say(iv) if iv else ''}")
     sc = p["syscall_us_per_page_4k"]
     print(f"4 KiB pages, us per page median [p90 p99]; python = total - time in Redis calls - one "
           f"pwritev ({sc['set']:.1f} us) / preadv ({sc['get']:.1f} us)")

@@ -41,8 +41,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
-from bench_io import BATCH, GEOMETRY, backend, drop_cache, med, page_bytes, sgl_key, start_redis, stats, timed  # noqa: E402
+from bench_io import BATCH, GEOMETRY, REDIS_FLAGS, backend, drop_cache, med, page_bytes, sgl_key, start_redis, stats, timed  # noqa: E402
 from pools import mha_pool, page_indices  # noqa: E402
+from provenance import header, stamp  # noqa: E402
 
 from sglang_tierstore import TierStoreBackend  # noqa: E402
 from sglang_tierstore.hostmem import PagePlan  # noqa: E402
@@ -108,9 +109,10 @@ def main() -> int:
     work = tempfile.mkdtemp(dir=a.dir)
     redis_proc, url = start_redis(work)
     units = {"K": 1 << 10, "M": 1 << 20}
-    report: dict[str, Any] = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "threads": a.threads,
+    report: dict[str, Any] = {"stamp": stamp(directory=a.dir, server_flags=REDIS_FLAGS), "threads": a.threads,
                               "batch": BATCH, "repeat": a.repeat, "seed": a.seed, "sizes": {},
-                              "machine": {"cpus": os.cpu_count(), "dir": a.dir, "loadavg_at_start": os.getloadavg()}}
+                              "machine": {"loadavg_at_start": os.getloadavg()}}
+    print(header(report["stamp"]))
     print(f"{os.cpu_count()} CPUs, load average at start {os.getloadavg()[0]:.1f} (other work on the machine shares them)")
     rng = random.Random(a.seed)
     try:

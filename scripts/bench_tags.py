@@ -29,8 +29,10 @@ from typing import Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+sys.path.insert(0, HERE)
 
 from engine_kit import engine, pages, views  # noqa: E402
+from provenance import header, stamp  # noqa: E402
 
 from sglang_tierstore.embedded import ensure_embedded_redis, stop_embedded_redis  # noqa: E402
 from sglang_tierstore.perms import PRIVATE  # noqa: E402
@@ -105,12 +107,13 @@ def main() -> int:
     work = tempfile.mkdtemp(dir=a.dir)
     url = ensure_embedded_redis(work, PRIVATE, "redis-server").url
     st = engine({"path": work, "redis_url": url, "capacity_gb": 2.0, "io_threads": 8})
+    run_stamp = stamp(directory=a.dir, server_flags=["embedded default: unix socket, AOF"])
     rows = []
     try:
         for page_bytes, sizes in ((4096, (16, 128, 1024)), (256 << 10, (16, 128))):
             for n in sizes:
+                batch = batch_costs(st, page_bytes, n, a.reps, seed=len(rows))  # first: the first write creates the store
                 tags = tag_costs(st, n, a.reps)
-                batch = batch_costs(st, page_bytes, n, a.reps, seed=len(rows))
                 rows.append({"page_bytes": page_bytes, "pages": n, **tags, **batch,
                              "write_share": tags["make_s"] / batch["write_s"], "read_share": tags["check_s"] / batch["read_s"]})
         ways = tag_functions(1024, a.reps)
@@ -118,6 +121,7 @@ def main() -> int:
         st.close()
         stop_embedded_redis(work)
         shutil.rmtree(work, ignore_errors=True)
+    print(header(run_stamp))
     print(f"entry tags: median of {a.reps} batches each (make: tails of a write batch; check: entries of a read batch)")
     print(f"{'page':>8} {'pages':>6} {'make us':>8} {'write batch ms':>15} {'share':>6} {'check us':>9} {'read batch ms':>14} {'share':>6}")
     for r in rows:
@@ -128,7 +132,7 @@ def main() -> int:
         print(f"  {s * 1e9:7.0f} ns  {name}")
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "rows": rows,
+            json.dump({"stamp": run_stamp, "rows": rows,
                        "seconds_per_tag": ways}, f, indent=1)
     return 0
 

@@ -28,6 +28,7 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+REDIS_FLAGS = ["--port", "0", "--save", "", "--appendonly", "no"]
 
 
 def worker(pages: int, redis_server: str) -> dict[str, object]:
@@ -40,8 +41,8 @@ def worker(pages: int, redis_server: str) -> dict[str, object]:
 
     work = tempfile.mkdtemp(prefix="check-cost-", dir="/var/tmp")
     sock = os.path.join(work, "redis.sock")
-    proc = subprocess.Popen([redis_server, "--port", "0", "--unixsocket", sock, "--save", "", "--appendonly", "no",
-                             "--dir", work], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([redis_server, *REDIS_FLAGS, "--unixsocket", sock, "--dir", work],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         while not os.path.exists(sock):
             time.sleep(0.05)
@@ -101,14 +102,18 @@ def main() -> int:
             print(f"run {i + 1} {name}: {runs[name][-1]}", file=sys.stderr)
     commits = {name: subprocess.run(["git", "-C", d, "rev-parse", "--short", "HEAD"], capture_output=True,
                                     text=True).stdout.strip() for name, d in trees.items()}
-    doc = {"command": " ".join(sys.argv), "commits": commits, "pages": a.pages, "runs": runs,
+    sys.path.insert(0, HERE)
+    from provenance import header, stamp
+
+    doc = {"stamp": stamp(directory="/var/tmp", server_flags=[a.redis_server, *REDIS_FLAGS, "--unixsocket", "<run dir>"]),
+           "commits": commits, "pages": a.pages, "runs": runs,
            "redis": subprocess.run([a.redis_server, "--version"], capture_output=True, text=True).stdout.strip()}
     med = {name: {k: statistics.median(float(r[k]) for r in rs) for k in ("calls", "median_us", "p99_us", "max_us",
                                                                             "redis_ms", "check_s")}
            for name, rs in runs.items()}
     doc["medians"] = med
     print(f"# check() on {a.pages:,} pages of 4 KiB in 64 MiB regions, check(verify_pages=False), SLOWLOG times")
-    print(f"# command: {doc['command']}")
+    print(header(doc["stamp"]))
     print(f"# trees: {', '.join(f'{n} at {c}' for n, c in commits.items())}; {a.runs} runs each, interleaved; {doc['redis']}")
     print(f"{'tree':<8} {'calls':>7} {'median µs':>10} {'p99 µs':>8} {'max µs':>8} {'Redis ms':>9} {'check s':>8}"
           "   (medians over runs; per-run max in brackets)")

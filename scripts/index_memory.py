@@ -28,8 +28,10 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+sys.path.insert(0, HERE)
 
 from engine_kit import engine  # noqa: E402
+from provenance import header, stamp  # noqa: E402
 
 from sglang_tierstore import inspect  # noqa: E402
 
@@ -46,8 +48,9 @@ def main() -> int:
     os.makedirs(a.dir, exist_ok=True)
     work = tempfile.mkdtemp(dir=a.dir)
     sock = os.path.join(work, "redis.sock")
-    proc = subprocess.Popen([a.redis_server, "--port", "0", "--unixsocket", sock, "--save", "", "--appendonly", "no",
-                             "--dir", work], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    flags = ["--port", "0", "--unixsocket", sock, "--save", "", "--appendonly", "no"]
+    s = stamp(directory=a.dir, server_flags=[a.redis_server, *flags])
+    proc = subprocess.Popen([a.redis_server, *flags, "--dir", work], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         while not os.path.exists(sock):
             time.sleep(0.05)
@@ -76,9 +79,10 @@ def main() -> int:
         proc.wait()
         shutil.rmtree(work, ignore_errors=True)
     per_tb = {name: per_page * TB / size for name, size in (("256 KiB", 256 << 10), ("2 MiB", 2 << 20), ("8 MiB", 8 << 20))}
-    report = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "redis": version, "pages": a.pages,
+    report = {"stamp": s, "redis": version, "pages": a.pages,
               "page_bytes": page, "used_memory_before": before, "used_memory_after": after,
               "bytes_per_page": per_page, "index_bytes_per_tb_of_pages": per_tb, "write_seconds": took}
+    print(header(s))
     print(f"{version}")
     print(f"{a.pages} pages committed in {took:.1f} s: used_memory {before} -> {after} bytes")
     print(f"index memory per committed page: {per_page:.1f} bytes (target: at most 200)")

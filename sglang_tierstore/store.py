@@ -23,6 +23,7 @@ from sglang_tierstore.errors import (
     ConfigError,
     IndexUnavailable,
     NoStoreYet,
+    PageIOError,
     StoreDetached,
     StoreUnavailable,
     TierStoreError,
@@ -465,7 +466,7 @@ class TierStore:
         except StoreDetached as e:
             self.space.detach(e, a)
             results = [False] * len(keys)
-        self.metrics.pages("write", "failed", len(keys) - sum(results))
+            self.metrics.pages("write", "detached", len(keys))
         self.metrics.observe("write", mod_time.perf_counter() - t0)
         return results
 
@@ -506,6 +507,8 @@ class TierStore:
                     a.files.failure("io_write", run[0].file.number, o)  # once per run, however many pieces failed
                 if o is _LATE or isinstance(o, BaseException):
                     failed.update(p.pos for p in run)
+            self.metrics.pages("write", "io_timeout", late)
+            self.metrics.pages("write", "io_error", len(failed) - late)
             if late:
                 self.metrics.error("io_write_timeout", late)
                 self.log.warning("io_write_timeout", "%d page(s) not written within write_timeout_s=%g s (a stalled disk, "

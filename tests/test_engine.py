@@ -558,3 +558,33 @@ def test_a_store_is_a_context_manager_that_closes(cfg: dict[str, Any]) -> None:
     with engine(cfg) as again:
         assert inspect.usage(again)["leases"] == 0  # given back at close, not left to expire
         assert again.exists([(again.namespace({}, 4096), keys(2))]) == [[True, True]]
+
+
+@pytest.mark.parametrize("uncached", ["fresh", "fails"])
+def test_a_stale_cached_page_on_a_shared_filesystem_is_read_again_past_the_cache(cfg: dict[str, Any],
+                                                                                  uncached: str) -> None:
+    """With ``shared_fs`` a page failing its checksum is read again uncached before anything
+    is dropped: bytes that verify now are a hit; a re-read the disk fails is a miss, never
+    an exception out of the read."""
+    class StaleCache(hooked({})):  # type: ignore[misc,valid-type]
+        def read(self, ref: Any, offset: int, bufs: Any, nbytes: int, aligned: bool) -> None:
+            super().read(ref, offset, bufs, nbytes, aligned)
+            bufs[0][0] ^= 0x5A  # what this node's page cache still holds: another node's older bytes
+
+        def read_uncached(self, ref: Any, offset: int, nbytes: int) -> bytes:
+            if uncached == "fails":
+                raise PageIOError(errno.EIO, "I/O error")
+            return super().read_uncached(ref, offset, nbytes)
+
+    st = engine(cfg, shared_fs=True, page_files=StaleCache)
+    try:
+        ns = st.namespace({}, 64 << 10)
+        ks, src = keys(3), pages(3, 64 << 10, 9)
+        assert st.write(ns, ks, views(src), False) == [True] * 3
+        got, out = read(st, ns, ks[:1])
+        if uncached == "fresh":
+            assert got == [True] and out == src[:1] and st.stats()["error_stale_cache"] == 1
+        else:
+            assert got == [False] and "error_stale_cache" not in st.stats()
+    finally:
+        st.close()

@@ -52,7 +52,7 @@ from sglang_tierstore.index import RedisIndex
 from sglang_tierstore.metrics import Metrics, RateLimitedLog
 from sglang_tierstore.pagefile import FileRef, PageFiles
 from sglang_tierstore.perms import Modes
-from sglang_tierstore.schema import shard_key, shard_of
+from sglang_tierstore.schema import NOT_STORED, shard_key, shard_of
 from sglang_tierstore.space import attach
 from sglang_tierstore.space.attach import Home
 from sglang_tierstore.space.files import Files
@@ -129,9 +129,11 @@ class Reservation:
             if where is not None:  # the rest (a file not ready any more): given up at commit
                 self.places.append(Place(i, where[0], where[1] + sl.slot * step))
         self.slots = slots
+        a.metrics.pages("write", "unreached", unreached)
+        a.metrics.pages("write", "file_unready", len(slots) - len(self.places))
         full = len(self.fields) - len(slots) - unreached
         if full > 0:
-            a.metrics.pages("write", "full", full)
+            a.metrics.pages("write", "too_big" if pb > g.region_bytes else "full", full)
             a.log.warning("full", "no slot for %d page(s) of %d bytes (every region pinned by writers, or pages larger "
                           "than the store's %d-byte regions)", full, pb, g.region_bytes)
 
@@ -144,6 +146,7 @@ class Reservation:
         a = self._a
         files = {p.pos: p.file for p in self.places}
         ok = set(written) & files.keys()
+        checked = len(ok)
         for ref in {files[i] for i in ok}:
             try:
                 a.pages.still_there(ref.number)
@@ -152,6 +155,7 @@ class Reservation:
             except PageIOError as e:
                 a.files.failure("io_write", ref.number, e)
                 ok -= {i for i in ok if files[i] == ref}
+        a.metrics.pages("write", "file_gone", checked - len(ok))
         slots = self.slots
         calls = []
         for s, idx in self.parts.items():
@@ -169,8 +173,10 @@ class Reservation:
         for (s, done, _, _, _), rep in zip(calls, replies):
             if isinstance(rep, IndexUnavailable):
                 a.shard_failed(s, rep)
+                a.metrics.pages("write", "unreached", len(done))
                 continue
             status.update(zip(done, rep.status))
+            a.metrics.pages("write", "refused", rep.status.count(NOT_STORED))  # lease lost, or its region reclaimed
             a.settled(rep)
         return status
 
@@ -240,8 +246,7 @@ class Attachment:
                     failed[s] = rep
                     continue
                 self.settled(rep)
-                if rep.too_big:
-                    self.metrics.pages("write", "too_big", short[s])
+                if rep.too_big:  # its pages get no slot: counted by the reservation, as each unstored page is
                     return
                 if rep.need_file:
                     self.files.add(s)

@@ -1,0 +1,70 @@
+"""Telling a difference from noise: medians with 95% bootstrap intervals, paired where two
+systems ran the same workload in the same round, and the sentence a figure may carry.
+
+The benchmarks interleave their systems (every round runs each once, in a new order), so
+round i of A and round i of B met the same machine state: their ratio per round is the
+paired sample, and its median's interval is what a claimed difference must clear. A
+figure whose interval holds 1 is reported as "no difference detected at +-x%", x being
+how far the interval reaches from 1 (what this run could have seen).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections.abc import Sequence
+from typing import TypedDict
+
+BOOTSTRAP = 4000
+SEED = 19
+
+
+class Interval(TypedDict):
+    median: float
+    lo: float
+    hi: float
+    n: int
+
+
+def median_interval(samples: Sequence[float], seed: int = SEED) -> Interval:
+    """The median of ``samples`` with a 95% percentile-bootstrap interval (resampled with
+    replacement, seeded so a rerun of the report prints the same interval)."""
+    if not samples:
+        raise ValueError("no samples to take a median of")
+    rnd = random.Random(seed)
+    xs = list(samples)
+    meds = sorted(statistics.median(rnd.choices(xs, k=len(xs))) for _ in range(BOOTSTRAP))
+    return {"median": statistics.median(xs), "lo": meds[int(0.025 * BOOTSTRAP)],
+            "hi": meds[int(0.975 * BOOTSTRAP) - 1], "n": len(xs)}
+
+
+def paired_ratio(a: Sequence[float], b: Sequence[float], seed: int = SEED) -> Interval:
+    """Median of a[i] / b[i] over rounds with its interval: ``a`` and ``b`` are the same
+    rounds of two systems (equal lengths, round i of each run back to back)."""
+    if len(a) != len(b):
+        raise ValueError(f"paired samples differ in length: {len(a)} and {len(b)}")
+    return median_interval([x / y for x, y in zip(a, b, strict=True)], seed)
+
+
+def unpaired_ratio(a: Sequence[float], b: Sequence[float], seed: int = SEED) -> Interval:
+    """median(a) / median(b) with an interval from resampling each side on its own (for
+    samples that were not taken in matched pairs)."""
+    rnd = random.Random(seed)
+    ratios = sorted(statistics.median(rnd.choices(list(a), k=len(a))) / statistics.median(rnd.choices(list(b), k=len(b)))
+                    for _ in range(BOOTSTRAP))
+    return {"median": statistics.median(a) / statistics.median(b), "lo": ratios[int(0.025 * BOOTSTRAP)],
+            "hi": ratios[int(0.975 * BOOTSTRAP) - 1], "n": min(len(a), len(b))}
+
+
+def differs(iv: Interval, around: float = 1.0) -> bool:
+    """Whether the interval excludes ``around`` (1 for a ratio, 0 for a difference)."""
+    return iv["lo"] > around or iv["hi"] < around
+
+
+def say(iv: Interval, unit: str = "x") -> str:
+    """The figure as the docs may state it: a ratio with its interval when the interval
+    excludes 1, else "no difference detected at +-x%"."""
+    if differs(iv):
+        return f"{iv['median']:.2f}{unit} ({iv['lo']:.2f}-{iv['hi']:.2f})"
+    reach = max(1 - iv["lo"], iv["hi"] - 1)
+    return f"no difference detected at +-{100 * reach:.0f}% ({iv['median']:.2f}{unit}, {iv['lo']:.2f}-{iv['hi']:.2f})"

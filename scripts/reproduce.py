@@ -1,0 +1,141 @@
+#!/usr/bin/env python3
+"""Regenerate the committed results under ``scripts/results/`` on the engine as it stands.
+
+    python3 scripts/reproduce.py                       # every job, in order (hours on 2 cores)
+    python3 scripts/reproduce.py --only bench_io,stress
+    python3 scripts/reproduce.py --quick --results /tmp/smoke   # every script in seconds (what CI runs)
+    python3 scripts/reproduce.py --list
+
+Each job runs one script with the arguments of its committed run (or, with ``--quick``, the
+smallest that still takes every code path) and writes ``<results>/<job>/``: the script's
+JSON and its printed report, each stamped by ``provenance.py`` (commit and dirty flag,
+command, index server versions and flags, packages, machine). After a full run the figures
+the README and docs quote are regenerated from those files (``figures.py --write``).
+A job that fails, hangs past its bound or leaves an output unstamped or stamped with
+another commit fails the whole command; outputs of earlier jobs stay.
+
+``--quick`` never writes under ``scripts/results/`` unless ``--results`` says so: its
+figures are smoke, not measurements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from provenance import _git, read_stamp  # noqa: E402
+
+RESULTS = HERE / "results"
+
+
+@dataclass(frozen=True)
+class Job:
+    """One script's committed run: ``{dir}`` in its arguments is the job's output directory,
+    ``stdout`` the file its printed report goes to, ``outputs`` every file it leaves there."""
+
+    name: str
+    script: str
+    full: tuple[str, ...]
+    quick: tuple[str, ...]
+    outputs: tuple[str, ...]
+    stdout: str | None
+    minutes: float
+    server: bool = False  # starts real SGLang servers (its smoke run is in the suite's server lane)
+
+
+JOBS: tuple[Job, ...] = (
+    Job("bench_io", "bench_io.py", ("--repeat", "11", "--probe-repeat", "1000", "--out", "{dir}/bench_io.json"),
+        ("--sizes", "256K", "--repeat", "3", "--probe-repeat", "20", "--out", "{dir}/bench_io.json"),
+        ("bench_io.json", "bench_io.txt"), "bench_io.txt", 20),
+    Job("bench_mixed", "bench_io.py", ("--mixed", "--repeat", "15", "--out", "{dir}/bench_mixed.json"),
+        ("--mixed", "--sizes", "256K", "--repeat", "3", "--reads", "3", "--out", "{dir}/bench_mixed.json"),
+        ("bench_mixed.json", "bench_mixed.txt"), "bench_mixed.txt", 12),
+    Job("bench_staging", "bench_staging.py", ("--repeat", "11", "--out", "{dir}/bench_staging.json"),
+        ("--sizes", "256K", "--repeat", "3", "--out", "{dir}/bench_staging.json"),
+        ("bench_staging.json", "bench_staging.txt"), "bench_staging.txt", 6),
+    Job("bench_tags", "bench_tags.py", ("--reps", "15", "--out", "{dir}/bench_tags.json"),
+        ("--reps", "3", "--out", "{dir}/bench_tags.json"), ("bench_tags.json", "bench_tags.txt"), "bench_tags.txt", 2),
+    Job("index_memory", "index_memory.py", ("--pages", "100000", "--out", "{dir}/index_memory.json"),
+        ("--pages", "2000", "--out", "{dir}/index_memory.json"),
+        ("index_memory.json", "index_memory.txt"), "index_memory.txt", 2),
+    Job("check_cost", "check_cost.py", ("--tree", "engine=.", "--runs", "3", "--out", "{dir}/check_cost.json"),
+        ("--tree", "engine=.", "--runs", "1", "--pages", "3000", "--out", "{dir}/check_cost.json"),
+        ("check_cost.json", "check_cost.txt"), "check_cost.txt", 4),
+    Job("bench_index", "bench_index.py", ("--out", "{dir}"), ("--quick", "--out", "{dir}"),
+        ("bench_index.json", "bench_index.txt"), "bench_index.txt", 25),
+    Job("stress", "stress.py", ("--procs", "3", "--threads", "2", "--seconds", "600", "--seed", "1", "--json", "{dir}/stress.json"),
+        ("--procs", "2", "--threads", "1", "--seconds", "6", "--seed", "1", "--kill-every", "2", "--redis-every", "3",
+         "--json", "{dir}/stress.json"),
+        ("stress.json", "stress.txt"), "stress.txt", 12),
+)
+
+
+def job_named(name: str) -> Job:
+    for j in JOBS:
+        if j.name == name:
+            return j
+    raise SystemExit(f"reproduce: no job {name!r}; jobs: {', '.join(j.name for j in JOBS)}")
+
+
+def run_job(job: Job, results: Path, quick: bool, commit: str, timeout_s: float) -> float:
+    """Run ``job`` into ``results/<name>``, replacing what was there; returns its seconds.
+    Raises SystemExit naming the job when it fails or an output is missing or misstamped."""
+    out = results / job.name
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    argv = [sys.executable, str(HERE / job.script), *(a.replace("{dir}", str(out)) for a in (job.quick if quick else job.full))]
+    print(f"reproduce: {job.name}: {' '.join(argv[1:])}", file=sys.stderr, flush=True)
+    t0 = time.monotonic()
+    with open(out / job.stdout, "w") if job.stdout else open("/dev/null", "w") as sink:
+        try:
+            rc = subprocess.run(argv, stdout=sink, cwd=HERE.parent, timeout=timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            raise SystemExit(f"reproduce: {job.name} ran past {timeout_s:.0f} s") from None
+    if rc != 0:
+        raise SystemExit(f"reproduce: {job.name} exited {rc} (its report so far: {out / (job.stdout or '')})")
+    for name in job.outputs:
+        path = out / name
+        if not path.exists():
+            raise SystemExit(f"reproduce: {job.name} left no {path}")
+        s = read_stamp(path) if path.suffix in (".json", ".txt", ".jsonl") else {"commit": commit}
+        if not s or s.get("commit") != commit:
+            raise SystemExit(f"reproduce: {path} is not stamped with this commit ({commit[:12]}): {s and s.get('commit')}")
+    return time.monotonic() - t0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", help="comma-separated jobs (default: all)")
+    ap.add_argument("--quick", action="store_true", help="the smoke run of each job: seconds, not measurements")
+    ap.add_argument("--results", help="where job directories go (default scripts/results/; with --quick a temporary directory)")
+    ap.add_argument("--list", action="store_true", help="list the jobs and stop")
+    ap.add_argument("--skip-server", action="store_true", help="leave out jobs that start real SGLang servers")
+    ap.add_argument("--no-figures", action="store_true", help="do not regenerate the docs' figures afterwards")
+    a = ap.parse_args()
+    if a.list:
+        for j in JOBS:
+            print(f"{j.name:<14} {j.minutes:>5.0f} min  scripts/{j.script} {' '.join(j.full)}")
+        return 0
+    jobs = [job_named(n) for n in a.only.split(",")] if a.only else list(JOBS)
+    if a.skip_server:
+        jobs = [j for j in jobs if not j.server]
+    results = Path(a.results) if a.results else (Path(tempfile.mkdtemp(prefix="reproduce-")) if a.quick else RESULTS)
+    commit = _git("rev-parse", "HEAD")
+    for j in jobs:
+        secs = run_job(j, results, a.quick, commit, timeout_s=300 if a.quick else j.minutes * 60 * 3)
+        print(f"reproduce: {j.name} done in {secs:.0f} s -> {results / j.name}", file=sys.stderr, flush=True)
+    if not a.quick and not a.no_figures and results == RESULTS:
+        subprocess.run([sys.executable, str(HERE / "figures.py"), "--write"], check=True, cwd=HERE.parent)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

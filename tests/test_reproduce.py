@@ -1,0 +1,105 @@
+"""The committed results and the scripts that make them: every script's smoke run
+(``reproduce.py --quick``) finishes and stamps its outputs, every file under
+``scripts/results/`` is a job's output and carries its stamp, and the comparison helpers
+say a difference only where the interval excludes it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+import compare  # noqa: E402
+import provenance  # noqa: E402
+import reproduce  # noqa: E402
+
+# Files under scripts/results/ from before stamps, each still quoted somewhere: they go as
+# reproduce.py regenerates their job on the final engine. The list may only shrink.
+UNREGENERATED_TOP = frozenset({
+    "bench_ab", "bench_ab_2m", "bench_ab_2m_b", "bench_ab_2m_pooled.txt", "bench_io.json", "bench_io.txt",
+    "bench_io_seed1.json", "bench_io_seed1.txt", "bench_io_seed2.json", "bench_io_seed2.txt", "bench_mixed.json",
+    "bench_mixed.txt", "bench_mixed_before.json", "bench_mixed_before.txt", "bench_staging.json", "bench_staging.txt",
+    "bench_summary.txt", "bench_tags.json", "bench_tags.txt", "check_cost", "index_memory.json", "index_memory.txt",
+    "issue20", "loadtest", "loadtest_backups", "stress", "suite", "bench_index",
+})
+UNREGENERATED = frozenset(
+    str(p.relative_to(ROOT)) for p in (ROOT / "scripts" / "results").rglob("*")
+    if p.is_file() and p.relative_to(ROOT / "scripts" / "results").parts[0] in UNREGENERATED_TOP
+    and (provenance.read_stamp(p) if p.suffix in (".json", ".txt") else None) is None
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("job", [j for j in reproduce.JOBS if not j.server], ids=lambda j: j.name)
+def test_every_script_has_a_smoke_run_that_finishes_and_stamps(job: reproduce.Job, tmp_path: Path) -> None:
+    """A hang or a crash of a benchmark or of the stress run fails here, not in the next
+    session that tries to regenerate its results."""
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "reproduce.py"), "--quick", "--only", job.name,
+                          "--results", str(tmp_path)], capture_output=True, text=True, timeout=360, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    for name in job.outputs:
+        path = tmp_path / job.name / name
+        s = provenance.read_stamp(path)
+        assert s and s["commit"] == commit and s["command"].startswith(f"python3 scripts/{job.script}"), (path, s)
+        assert {"servers", "server_flags", "packages", "machine", "dirty"} <= set(s)
+        assert {"cores", "cpu", "mem_gib", "kernel", "disk"} <= set(s["machine"])
+        if path.suffix == ".json":
+            json.loads(path.read_text())
+
+
+def test_every_committed_result_is_a_jobs_output_and_stamped() -> None:
+    """What lies under scripts/results/ is exactly what reproduce.py regenerates: each
+    file is an output of its job's directory and names the commit and command it came from."""
+    outputs = {f"scripts/results/{j.name}/{o}" for j in reproduce.JOBS for o in j.outputs}
+    stray, unstamped = [], []
+    for p in sorted((ROOT / "scripts" / "results").rglob("*")):
+        rel = str(p.relative_to(ROOT))
+        if not p.is_file() or rel in UNREGENERATED:
+            continue
+        if rel not in outputs:
+            stray.append(rel)
+        elif p.suffix in (".json", ".txt") and not (provenance.read_stamp(p) or {}).get("commit"):
+            unstamped.append(rel)
+    assert stray == [] and unstamped == []
+
+
+def test_a_job_that_fails_or_leaves_an_unstamped_output_fails_reproduce(tmp_path: Path) -> None:
+    """reproduce.py's own checks, on scripts that exit 0 stamping nothing, or exit 3."""
+    (tmp_path / "nostamp.py").write_text("print('figures, no stamp')\n")
+    (tmp_path / "fails.py").write_text("raise SystemExit(3)\n")
+    quiet = reproduce.Job("nostamp", str(tmp_path / "nostamp.py"), (), (), ("nostamp.txt",), "nostamp.txt", 1)
+    with pytest.raises(SystemExit, match="not stamped"):
+        reproduce.run_job(quiet, tmp_path / "r", quick=False, commit="0" * 40, timeout_s=60)
+    failing = reproduce.Job("fails", str(tmp_path / "fails.py"), (), (), ("fails.txt",), "fails.txt", 1)
+    with pytest.raises(SystemExit, match="exited 3"):
+        reproduce.run_job(failing, tmp_path / "r", quick=False, commit="0" * 40, timeout_s=60)
+
+
+def test_a_stamp_round_trips_through_json_and_text(tmp_path: Path) -> None:
+    s = provenance.stamp(["scripts/x.py", "--flag"], directory=str(tmp_path), server_flags=["--save ''"])
+    assert s["command"] == "python3 scripts/x.py --flag" and s["server_flags"] == ["--save ''"]
+    (tmp_path / "r.txt").write_text(provenance.header(s) + "\nfigures\n")
+    (tmp_path / "r.json").write_text(json.dumps({"stamp": s, "x": 1}))
+    assert provenance.read_stamp(tmp_path / "r.txt") == s == provenance.read_stamp(tmp_path / "r.json")
+    (tmp_path / "bare.txt").write_text("figures only\n")
+    assert provenance.read_stamp(tmp_path / "bare.txt") is None
+
+
+def test_a_difference_is_said_only_where_the_interval_excludes_it() -> None:
+    same = compare.paired_ratio([1.0, 1.1, 0.9, 1.05, 0.95], [1.0, 1.0, 1.0, 1.0, 1.0])
+    assert same["lo"] < 1 < same["hi"] and not compare.differs(same)
+    assert compare.say(same).startswith("no difference detected at +-")
+    faster = compare.paired_ratio([2.0, 2.1, 1.9, 2.05, 1.95], [1.0, 1.0, 1.0, 1.0, 1.0])
+    assert compare.differs(faster) and compare.say(faster).startswith("2.00x (")
+    # pairing removes a drift both systems share: unpaired, the same samples hold 1
+    a = [1.0 * k for k in (1, 2, 3, 4, 5, 6)]
+    b = [0.9 * k for k in (1, 2, 3, 4, 5, 6)]
+    assert compare.differs(compare.paired_ratio(a, b)) and not compare.differs(compare.unpaired_ratio(a, b))
+    with pytest.raises(ValueError, match="differ in length"):
+        compare.paired_ratio([1.0], [1.0, 2.0])
