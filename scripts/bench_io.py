@@ -572,7 +572,8 @@ class TierstoreMix:
         ps = pool.page_size
         self.src = page_indices(range(BATCH), ps)
         self.dst = page_indices(range(BATCH, BATCH + self.read_pages), ps)
-        cap = (READ_SETS * self.read_pages + (KEEP + 2) * BATCH) * page / (1 << 30)
+        # twice what it holds: deleted slots come back only with their region, and writers' stocks run ahead
+        cap = 2 * (READ_SETS * self.read_pages + (KEEP + 2) * BATCH) * page / (1 << 30)
         self.be = backend(self.dir, redis_url, threads, capacity_gb=cap)
         self.be.register_mem_pool_host(pool)
         assert self.be.zero_copy(), "not zero-copy O_DIRECT"

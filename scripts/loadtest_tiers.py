@@ -64,6 +64,7 @@ sys.path[:0] = [HERE, os.path.join(HERE, "..", "tests")]
 from cpu_harness import tiny_model
 from cpu_harness.server import BASE_FLAGS, Server, storage_args, tierstore_config
 from multiturn_loadtest import load_rows
+from provenance import header, stamp
 
 from sglang_tierstore.embedded import pid_file
 from sglang_tierstore.plan import EmpiricalGaps, kv_bytes_per_token, plan
@@ -405,6 +406,161 @@ def paired(ref_rows: list[dict[str, Any]], rows: list[dict[str, Any]], returning
             "faster": sum(1 for x in diffs if x < 0)}
 
 
+# -- interleaved rounds: configurations compared request by request ---------------------------
+
+CALL_OPS = {"batch_exists": "probe", "batch_get_v1": "read", "batch_set_v1": "write"}
+
+
+def decode_itl(r: dict[str, Any]) -> float | None:
+    """A request's median inter-token latency after its first two tokens (the first gaps hold prefill)."""
+    gaps = (r.get("itl_s") or [])[2:]
+    return statistics.median(gaps) if gaps else None
+
+
+def per_request(rows: list[dict[str, Any]], round_no: int) -> dict[tuple[int, int, int], dict[str, Any]]:
+    return {(round_no, r["user"], r["turn"]): r for r in rows if not r.get("error") and not r.get("backup")
+            and r.get("ttft_s") is not None}
+
+
+def tierstore_cpu(summary: dict[str, Any]) -> dict[str, Any]:
+    """What tierstore cost SGLang's process in one run: caller-thread CPU per page of each
+    call (from /metrics), and its I/O and housekeeping threads' and the embedded index's CPU
+    per second, busy and idle (from /proc)."""
+    delta = summary.get("metrics_delta", {})
+
+    def total(prefix: str, **labels: str) -> float:
+        return sum(v for k, v in delta.items() if k.startswith(prefix + "{")
+                   and all(f'{n}="{x}"' in k for n, x in labels.items()))
+
+    out: dict[str, Any] = {"per_page_us": {}}
+    for call, op in CALL_OPS.items():
+        pages = total("tierstore_pages_total", op=op)
+        for mode in ("user", "system"):
+            secs = total("tierstore_caller_cpu_seconds_total", call=call, mode=mode)
+            if pages:
+                out["per_page_us"][f"{call} {mode}"] = 1e6 * secs / pages
+        calls = total("tierstore_batch_seconds_count", op=op)
+        out.setdefault("pages_per_call", {})[call] = pages / calls if calls else None
+    for phase in ("busy", "idle"):
+        c = summary.get("cpu", {}).get(phase)
+        if not c:
+            continue
+        secs = max(c["seconds"], 1e-9)
+        out[phase] = {name: sum(c["threads"].get(name, [0.0, 0.0])) / secs for name in ("tierstore-io", "tierstore-hk")}
+        out[phase]["redis"] = sum(c.get("redis", [0.0, 0.0])) / secs
+        out[phase]["seconds"] = c["seconds"]
+    return out
+
+
+def rounds_report(out_dir: str, configs: list[str], suffix: str, rounds: int) -> str:
+    """Each configuration against the others over interleaved rounds, paired request by
+    request within a round (the same seed: the same requests): returning-turn TTFT,
+    first-turn TTFT and decode inter-token latency, median ratio with a 95% interval
+    (``compare.py``); and what tierstore's own work cost. Written to ``rounds.json``."""
+    from compare import paired_ratio, say
+
+    reqs: dict[str, dict[tuple[int, int, int], dict[str, Any]]] = {c: {} for c in configs}
+    cpu: list[dict[str, Any]] = []
+    for c in configs:
+        for k in range(rounds):
+            summary, rows = load_rows(os.path.join(out_dir, f"{c}{suffix}@r{k + 1}.summary.json"))
+            reqs[c].update(per_request(rows, k))
+            if c == "l2+tierstore":
+                cpu.append(tierstore_cpu(summary))
+    metrics = {"returning-turn TTFT": lambda r: r["ttft_s"] if r["turn"] > 1 else None,
+               "first-turn TTFT": lambda r: r["ttft_s"] if r["turn"] == 1 else None,
+               "decode inter-token latency": decode_itl}
+    out: dict[str, Any] = {"stamp": stamp(), "rounds": rounds, "configs": configs, "pairs": {}, "medians": {},
+                           "tierstore_cpu": cpu}
+    lines = [f"interleaved: {rounds} rounds of {', '.join(configs)} (round k starts k configurations later), "
+             "each run on fresh state; paired request by request within a round, median ratio and 95% interval:"]
+    for c in configs:
+        out["medians"][c] = {m: statistics.median(v) if (v := [x for r in reqs[c].values() if (x := f(r)) is not None]) else None
+                             for m, f in metrics.items()}
+    for a, b in [(a, b) for i, a in enumerate(configs) for b in configs[i + 1:]]:
+        for m, f in metrics.items():
+            both = [k for k in reqs[a].keys() & reqs[b].keys() if f(reqs[a][k]) is not None and f(reqs[b][k]) is not None]
+            if len(both) < 3:
+                continue
+            iv = paired_ratio([f(reqs[b][k]) for k in sorted(both)], [f(reqs[a][k]) for k in sorted(both)])
+            out["pairs"][f"{b} / {a}: {m}"] = iv
+            lines.append(f"  {b} / {a}, {m} ({len(both)} requests): {say(iv)}")
+    for k, c in enumerate(cpu):
+        lines.append(f"  tierstore, round {k + 1}: caller CPU per page " + ", ".join(f"{n} {v:.1f} us" for n, v in c["per_page_us"].items()))
+        for phase in ("busy", "idle"):
+            if phase in c:
+                lines.append(f"    {phase} ({c[phase]['seconds']:.0f} s): CPU share of a core: I/O threads "
+                             f"{c[phase]['tierstore-io']:.2%}, housekeeping {c[phase]['tierstore-hk']:.2%}, "
+                             f"embedded index {c[phase]['redis']:.2%}")
+    with open(os.path.join(out_dir, "rounds.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    return "\n".join(lines)
+
+
+# -- what the processes cost: CPU per thread name, the embedded index ------------------------
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _stat_times(path: str) -> tuple[float, float]:
+    """User and system CPU seconds from a /proc ``stat`` file (fields 14 and 15)."""
+    with open(path) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) / TICK, int(fields[12]) / TICK
+
+
+def thread_cpu(root: int) -> dict[str, list[float]]:
+    """CPU seconds [user, system] of every thread of ``root`` and its descendant processes,
+    summed by thread name (tierstore names its threads ``tierstore-io`` and ``tierstore-hk``)."""
+    parents: dict[int, int] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    parents[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+    tree, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        tree.add(pid)
+        todo += [c for c, pp in parents.items() if pp == pid and c not in tree]
+    out: dict[str, list[float]] = {}
+    for pid in tree:
+        try:
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                    name = f.read().strip()
+                u, sy = _stat_times(f"/proc/{pid}/task/{tid}/stat")
+                acc = out.setdefault(name, [0.0, 0.0])
+                acc[0] += u
+                acc[1] += sy
+        except OSError:
+            continue  # exited meanwhile
+    return out
+
+
+def cpu_snapshot(root: int, store: str | None) -> dict[str, Any]:
+    snap: dict[str, Any] = {"t": time.monotonic(), "threads": thread_cpu(root)}
+    if store:
+        try:
+            with open(pid_file(store)) as f:
+                snap["redis"] = list(_stat_times(f"/proc/{int(f.read())}/stat"))
+        except (OSError, ValueError):
+            pass
+    return snap
+
+
+def cpu_between(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """CPU seconds [user, system] each thread name (and the embedded index) used from ``a`` to ``b``."""
+    names = a["threads"].keys() | b["threads"].keys()
+    out: dict[str, Any] = {"seconds": b["t"] - a["t"], "threads": {
+        n: [round(y - x, 3) for x, y in zip(a["threads"].get(n, [0.0, 0.0]), b["threads"].get(n, [0.0, 0.0]))] for n in names}}
+    if "redis" in a and "redis" in b:
+        out["redis"] = [round(y - x, 3) for x, y in zip(a["redis"], b["redis"])]
+    return out
+
+
 # -- the runs ---------------------------------------------------------------------------------
 
 
@@ -473,7 +629,7 @@ def report(args: argparse.Namespace, tags: list[str], model: str, bpt: int) -> i
         preds = {t: predict(s, rows, config_of(t), bpt, calibs.get(t, first), l3[config_of(t)]) for t, (s, rows) in runs.items()
                  if config_of(t) in l3 and any(r["turn"] > 1 and not r["error"] for r in rows)}
         with open(os.path.join(args.output_dir, "planner.json"), "w") as f:
-            json.dump(preds, f, indent=1)
+            json.dump({"stamp": stamp(directory=args.workdir), **preds}, f, indent=1)
         lines += [("residency planner, from each run's pool sizes, measured return gaps and per-tier placement "
                    "rates, against the share of returning prefixes each tier served. planner: the pools as "
                    "sized, rates over the whole run; planner*: less the tenants' system prompts (hot in device "
@@ -520,7 +676,7 @@ def report(args: argparse.Namespace, tags: list[str], model: str, bpt: int) -> i
     same = all(not d for d in differing.values())
     lines.append(f"greedy outputs identical across {', '.join(tags)}: {same}"
                  + ("" if same else f" (differing requests: { {t: d for t, d in differing.items() if d} })"))
-    text = "\n".join(lines)
+    text = "\n".join([header(stamp(directory=args.workdir)), *lines])
     with open(os.path.join(args.output_dir, "summary.txt"), "w") as f:
         f.write(text + "\n")
     print(text)
@@ -577,6 +733,10 @@ def main() -> int:
     w.add_argument("--gap-buckets", default="10,20,40,80,160")
     w.add_argument("--backup-rate", type=float, default=0.0, help="one-turn users per second whose KV is written through to L3")
     w.add_argument("--backup-length", type=int, default=2048, help="tokens of a backup user's prompt")
+    w.add_argument("--rounds", type=int, default=1, help="run every configuration this often, interleaved (round k "
+                   "starts k configurations later), each run on fresh state; the report pairs them per request")
+    w.add_argument("--idle-s", type=float, default=10.0, help="seconds each server idles after its load test, to "
+                   "measure what its threads cost with nothing to do")
     args = ap.parse_args()
     configs = [c for c in args.configs.split(",") if c]
     unknown = set(configs) - set(CONFIGS)
@@ -616,8 +776,9 @@ def main() -> int:
     prefix = (args.system_prompt_length + args.request_length + args.output_length
               + (mid - 2) * (args.sub_question_input_length + args.output_length))
 
-    for config in configs if not args.report_only else []:
-        tag = config + suffix
+    plan_runs = [(config, k) for k in range(args.rounds) for config in configs[k % len(configs):] + configs[:k % len(configs)]]
+    for config, k in plan_runs if not args.report_only else []:  # round k starts one configuration later
+        tag = config + suffix + (f"@r{k + 1}" if args.rounds > 1 else "")
         print(f"== {tag}", flush=True)
         log = os.path.join(args.workdir, f"server-{tag.replace('+', '_')}.log")
         offset = os.path.getsize(log) if os.path.exists(log) else 0
@@ -628,15 +789,20 @@ def main() -> int:
             prov = provenance(imported_from(log, offset), args.tierstore_src) if config == "l2+tierstore" else None
             if config == "l2+tierstore" and not args.model and not (prov and prov["imported_from"]):
                 raise RuntimeError(f"{log}: no line saying where the server imported sglang_tierstore from")
-            if config == "l2+tierstore":
+            if config == "l2+tierstore" and k == 0:
                 calib = calibrate(s, vocab, prefix, random.Random(args.seed + 1))
                 with open(calibration_path(args.output_dir, tag), "w") as f:
-                    json.dump(calib, f, indent=1)
+                    json.dump({"stamp": stamp(directory=args.workdir), **calib}, f, indent=1)
                 print(f"  calibration ({prefix} tokens): cold {calib['cold_ttft_s'] * 1e3:.0f} ms, device "
                       f"{calib['device_ttft_s'] * 1e3:.0f} ms, host {calib['host_ttft_s'] * 1e3:.0f} ms, storage "
                       f"{calib['storage_ttft_s'] * 1e3:.0f} ms", flush=True)
             s.flush()
+            store = os.path.join(args.workdir, "tierstore") if config == "l2+tierstore" else None
+            before = cpu_snapshot(s.proc.pid, store)
             rc = subprocess.call(loadtest_args(args, model, s.url, tag))
+            busy = cpu_snapshot(s.proc.pid, store)
+            time.sleep(args.idle_s)  # nothing sent: what each thread costs with nothing to do
+            cpu = {"busy": cpu_between(before, busy), "idle": cpu_between(busy, cpu_snapshot(s.proc.pid, store))}
         if config == "l2+tierstore":
             stop_embedded_redis(os.path.join(args.workdir, "tierstore"))
         if rc:
@@ -645,11 +811,19 @@ def main() -> int:
         path = os.path.join(args.output_dir, f"{tag}.summary.json")  # what ran, next to what it measured
         with open(path) as f:
             summary = json.load(f)
-        summary.update(server_flags=flags, **({"tierstore": prov} if prov else {}))
+        summary.update(stamp=stamp(directory=args.workdir, server_flags=flags), server_flags=flags, cpu=cpu, **({"tierstore": prov} if prov else {}))
         with open(path, "w") as f:
             json.dump(summary, f, indent=1)
 
-    return report(args, tags, model, bpt)
+    if args.rounds > 1 and not args.runs:
+        tags = [t for c in configs for t in (f"{c}{suffix}@r{k + 1}" for k in range(args.rounds))]
+    rc = report(args, tags, model, bpt)
+    if args.rounds > 1:
+        text = rounds_report(args.output_dir, configs, suffix, args.rounds)
+        with open(os.path.join(args.output_dir, "summary.txt"), "a") as f:
+            f.write("\n" + text + "\n")
+        print(text)
+    return rc
 
 
 if __name__ == "__main__":

@@ -119,10 +119,8 @@ def read_stamp(path: Path) -> dict[str, Any] | None:
     """The stamp of a committed result file (JSON: its ``stamp`` key; text: its stamp line)."""
     if path.suffix == ".json":
         data = json.loads(path.read_text())
-        return data.get("stamp") if isinstance(data, dict) else None
-    if path.suffix == ".jsonl":
-        first = path.read_text().split("\n", 1)[0]
-        return json.loads(first).get("stamp") if first.startswith("{") else None
+        found = data.get("stamp") if isinstance(data, dict) else None
+        return found if isinstance(found, dict) else None
     for line in path.read_text(errors="replace").splitlines():
         if line.startswith(STAMP_PREFIX):
             return json.loads(line[len(STAMP_PREFIX):])

@@ -12,7 +12,7 @@ JSON and its printed report, each stamped by ``provenance.py`` (commit and dirty
 command, index server versions and flags, packages, machine). After a full run the figures
 the README and docs quote are regenerated from those files (``figures.py --write``).
 A job that fails, hangs past its bound or leaves an output unstamped or stamped with
-another commit fails the whole command; outputs of earlier jobs stay.
+another commit fails the command (the other jobs still run, and their outputs stay).
 
 ``--quick`` never writes under ``scripts/results/`` unless ``--results`` says so: its
 figures are smoke, not measurements.
@@ -49,6 +49,7 @@ class Job:
     stdout: str | None
     minutes: float
     server: bool = False  # starts real SGLang servers (its smoke run is in the suite's server lane)
+    also: tuple[str, ...] = ()  # glob patterns of further files it leaves (per-run files, plots)
 
 
 JOBS: tuple[Job, ...] = (
@@ -75,6 +76,27 @@ JOBS: tuple[Job, ...] = (
         ("--procs", "2", "--threads", "1", "--seconds", "6", "--seed", "1", "--kill-every", "2", "--redis-every", "3",
          "--json", "{dir}/stress.json"),
         ("stress.json", "stress.txt"), "stress.txt", 12),
+    Job("loadtest", "loadtest_tiers.py",
+        ("--rounds", "3", "--workdir", "/var/tmp/tierstore-loadtest", "--output-dir", "{dir}"),
+        ("--rounds", "2", "--configs", "l2,l2+tierstore", "--hidden", "64", "--layers", "2", "--num-clients", "2",
+         "--num-rounds", "2", "--request-length", "32", "--sub-question-input-length", "16", "--system-prompt-length", "32",
+         "--num-tenants", "1", "--output-length", "4", "--think-time-median", "1", "--request-rate", "2",
+         "--max-total-tokens", "2048", "--idle-s", "1", "--workdir", "/var/tmp/tierstore-loadtest-smoke", "--output-dir", "{dir}"),
+        ("summary.txt", "rounds.json", "planner.json", "calibration@r1.json"), None, 170, server=True,
+        also=("*.jsonl", "*.summary.json", "compare_*.png")),
+    Job("interference", "loadtest_tiers.py",
+        ("--configs", "l2,l2+file,l2+tierstore", "--rounds", "3", "--num-clients", "16", "--num-rounds", "3",
+         "--think-time-median", "20", "--request-rate", "0.4", "--output-length", "32", "--idle-s", "20",
+         "--workdir", "/var/tmp/tierstore-interference", "--output-dir", "{dir}"),
+        ("--rounds", "2", "--configs", "l2,l2+tierstore", "--hidden", "64", "--layers", "2", "--num-clients", "2",
+         "--num-rounds", "2", "--request-length", "32", "--sub-question-input-length", "16", "--system-prompt-length", "32",
+         "--num-tenants", "1", "--output-length", "4", "--think-time-median", "1", "--request-rate", "2",
+         "--max-total-tokens", "2048", "--idle-s", "1", "--workdir", "/var/tmp/tierstore-interference-smoke",
+         "--output-dir", "{dir}"),
+        ("summary.txt", "rounds.json", "planner.json", "calibration@r1.json"), None, 45, server=True,
+        also=("*.jsonl", "*.summary.json", "compare_*.png")),
+    Job("suite", "suite_timing.py", ("--out", "{dir}/suite.json"), ("--quick", "--out", "{dir}/suite.json"),
+        ("suite.json", "suite.txt"), "suite.txt", 25),
 )
 
 
@@ -105,7 +127,7 @@ def run_job(job: Job, results: Path, quick: bool, commit: str, timeout_s: float)
         path = out / name
         if not path.exists():
             raise SystemExit(f"reproduce: {job.name} left no {path}")
-        s = read_stamp(path) if path.suffix in (".json", ".txt", ".jsonl") else {"commit": commit}
+        s = read_stamp(path) if path.suffix in (".json", ".txt") else {"commit": commit}
         if not s or s.get("commit") != commit:
             raise SystemExit(f"reproduce: {path} is not stamped with this commit ({commit[:12]}): {s and s.get('commit')}")
     return time.monotonic() - t0
@@ -129,9 +151,18 @@ def main() -> int:
         jobs = [j for j in jobs if not j.server]
     results = Path(a.results) if a.results else (Path(tempfile.mkdtemp(prefix="reproduce-")) if a.quick else RESULTS)
     commit = _git("rev-parse", "HEAD")
+    failed = []
     for j in jobs:
-        secs = run_job(j, results, a.quick, commit, timeout_s=300 if a.quick else j.minutes * 60 * 3)
+        try:
+            secs = run_job(j, results, a.quick, commit, timeout_s=300 if a.quick else j.minutes * 60 * 3)
+        except SystemExit as e:  # the next jobs still run: one broken script costs its own results only
+            print(e, file=sys.stderr, flush=True)
+            failed.append(j.name)
+            continue
         print(f"reproduce: {j.name} done in {secs:.0f} s -> {results / j.name}", file=sys.stderr, flush=True)
+    if failed:
+        print(f"reproduce: failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
     if not a.quick and not a.no_figures and results == RESULTS:
         subprocess.run([sys.executable, str(HERE / "figures.py"), "--write"], check=True, cwd=HERE.parent)
     return 0

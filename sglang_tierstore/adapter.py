@@ -37,7 +37,7 @@ from sglang_tierstore.errors import EmbeddedNotStarted, StoreDetached, StoreUnav
 from sglang_tierstore import inspect
 from sglang_tierstore.hostmem import PagePlan, tensor_bytes
 from sglang_tierstore.io_engine import Gate
-from sglang_tierstore.metrics import Metrics
+from sglang_tierstore.metrics import Metrics, thread_cpu
 from sglang_tierstore.perms import check_dirs, modes, redis_password, redis_tls, remove_created
 from sglang_tierstore.store import Namespace, TierStore
 
@@ -61,7 +61,8 @@ class _Pool:
 
 def _guarded(fallback: Callable[..., Any]) -> Callable[[F], F]:
     """Turn any exception into ``fallback(*args)``, a counter and a log line; count the
-    call in flight for :meth:`TierStoreBackend.close` (after which it is ``fallback``)."""
+    call in flight for :meth:`TierStoreBackend.close` (after which it is ``fallback``), and
+    the CPU time it took on SGLang's thread (``tierstore_caller_cpu_seconds_total``)."""
 
     def wrap(fn: F) -> F:
         @functools.wraps(fn)
@@ -69,6 +70,7 @@ def _guarded(fallback: Callable[..., Any]) -> Callable[[F], F]:
             if not self._calls.enter():
                 self.store.log.warning("closed", "%s called after close: answering misses", fn.__name__)
                 return fallback(*args, **kwargs)
+            cpu = thread_cpu()
             try:
                 return fn(self, *args, **kwargs)
             except StoreUnavailable as e:  # the index down, full or read-only; the disk full: ridden out
@@ -83,6 +85,7 @@ def _guarded(fallback: Callable[..., Any]) -> Callable[[F], F]:
                 self.store.metrics.error("internal")
                 self.store.log.exception(f"internal:{fn.__name__}", "%s failed", fn.__name__, exc=e)
             finally:
+                self.store.metrics.cpu(fn.__name__, cpu)
                 self._calls.leave()
             return fallback(*args, **kwargs)
 

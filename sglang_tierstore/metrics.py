@@ -17,6 +17,7 @@ Each store also keeps its own counts, which ``TierStore.stats()`` returns and te
 from __future__ import annotations
 
 import logging
+import resource
 import threading
 import time as mod_time
 from collections import Counter as _Counter
@@ -33,6 +34,11 @@ PAGES = Counter(
     ["op", "outcome", *RANK_LABELS],
 )
 BYTES = Counter("tierstore_bytes_total", "Page bytes moved to or from page files.", ["op", *RANK_LABELS])
+CPU = Counter(
+    "tierstore_caller_cpu_seconds_total",
+    "CPU time tierstore spent on SGLang's calling thread, by call and mode (user time bounds the GIL the call held).",
+    ["call", "mode", *RANK_LABELS],
+)
 ERRORS = Counter("tierstore_errors_total", "Failures turned into misses or failed writes, by kind.", ["kind", *RANK_LABELS])
 HOUSEKEEPING = Counter(
     "tierstore_housekeeping_total",
@@ -81,6 +87,15 @@ class Metrics:
             HOUSEKEEPING.labels(action=action, **self.rank).inc(n)
             self._add(action, n)
 
+    def cpu(self, call: str, since: tuple[float, float]) -> None:
+        """Add the calling thread's CPU time since ``since`` (from :func:`thread_cpu`) to ``call``."""
+        user, system = thread_cpu()
+        for mode, dt in (("user", user - since[0]), ("system", system - since[1])):
+            if dt > 0:
+                CPU.labels(call=call, mode=mode, **self.rank).inc(dt)
+                self._add(f"cpu_us_{call}_{mode}", round(dt * 1e6))
+        self._add(f"calls_{call}", 1)
+
     def observe(self, op: str, seconds: float) -> None:
         LATENCY.labels(op=op, **self.rank).observe(seconds)
 
@@ -91,6 +106,12 @@ class Metrics:
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             return dict(self.counts)
+
+
+def thread_cpu() -> tuple[float, float]:
+    """This thread's user and system CPU seconds (``getrusage(RUSAGE_THREAD)``: one syscall)."""
+    ru = resource.getrusage(resource.RUSAGE_THREAD)
+    return ru.ru_utime, ru.ru_stime
 
 
 class RateLimitedLog:

@@ -83,6 +83,39 @@ def test_rank_labels_outside_multiprocess_mode() -> None:
         metrics.Metrics({"rank": 1})
 
 
+def test_each_call_counts_the_cpu_it_took_on_the_calling_thread(extra: dict[str, Any]) -> None:
+    """Every SGLang-facing call adds its calling thread's user and system CPU time to
+    ``tierstore_caller_cpu_seconds_total{call}`` (what tierstore costs SGLang's scheduler
+    thread, per call and, with the page counters, per page); a thread busy elsewhere adds
+    nothing to it."""
+    import threading
+
+    from pools import fill, keys, page_indices, storage_config
+
+    from sglang_tierstore import TierStoreBackend
+
+    pool = mha_pool("page_first")
+    fill(pool, 1)
+    ks = keys(64)
+    with TierStoreBackend(storage_config(extra), {}) as be:
+        be.register_mem_pool_host(pool)
+        before = REGISTRY.get_sample_value("tierstore_caller_cpu_seconds_total",
+                                           {"call": "batch_set_v1", "mode": "user", **rank(0)}) or 0
+        for i in range(0, 64, 8):
+            assert be.batch_set_v1(ks[i:i + 8], page_indices(range(i, i + 8), 4)) == [True] * 8
+        spin = threading.Thread(target=lambda: sum(range(3_000_000)))  # CPU on another thread: not tierstore's
+        spin.start()
+        spin.join()
+        assert be.batch_exists(ks) == 64
+        st = be.store.stats()
+        assert st["calls_batch_set_v1"] == 8 and st["calls_batch_exists"] == 1
+        spent = st.get("cpu_us_batch_set_v1_user", 0) + st.get("cpu_us_batch_set_v1_system", 0)
+        assert 0 < spent < 8 * 200_000, spent  # eight small batches: well under 0.2 s of CPU each
+        assert st.get("cpu_us_batch_exists_user", 0) + st.get("cpu_us_batch_exists_system", 0) < 100_000
+    after = REGISTRY.get_sample_value("tierstore_caller_cpu_seconds_total", {"call": "batch_set_v1", "mode": "user", **rank(0)})
+    assert after is not None and after >= before
+
+
 def tierstore_series() -> dict[str, set[str]]:
     """Every tierstore sample name with its label names, as a scrape shows them
     (each family exercised once in this process's default registry)."""
@@ -92,6 +125,7 @@ def tierstore_series() -> dict[str, set[str]]:
     m.error("internal")
     m.housekeeping("evicted", 1)
     m.observe("read", 0.001)
+    m.cpu("batch_get_v1", (0.0, 0.0))
     return {s.name: set(s.labels) for fam in REGISTRY.collect() if fam.name.startswith("tierstore_")
             for s in fam.samples if not s.name.endswith("_created")}
 

@@ -1,0 +1,549 @@
+#!/usr/bin/env python3
+"""The figures the README and docs quote, computed from the committed results.
+
+    python3 scripts/figures.py --write     # rewrite every marked figure in README.md and docs/
+    python3 scripts/figures.py --check     # exit 1 naming each figure that differs (tests/test_figures.py)
+    python3 scripts/figures.py --list      # every figure and its value
+
+In the Markdown a figure is ``<!--f:NAME-->value<!--/f-->`` (a cell, a phrase or a whole
+table; the comments do not render): ``--write`` puts each NAME's value from its result file
+there, so a figure is never typed by hand and a rerun of ``reproduce.py`` carries into the
+docs. A NAME this file does not know, or a result file that is missing, is an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from collections.abc import Callable, Mapping
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+RESULTS = HERE / "results"
+PAGES = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
+MARK = re.compile(r"<!--f:([\w.+-]+)-->(.*?)<!--/f-->", re.S)
+SIZES = {"256K": "256 KiB", "1M": "1 MiB", "2M": "2 MiB", "8M": "8 MiB"}
+
+
+@cache
+def load(rel: str) -> Any:
+    path = RESULTS / rel
+    if not path.exists():
+        raise SystemExit(f"figures: {path.relative_to(ROOT)} is missing (run scripts/reproduce.py)")
+    return json.loads(path.read_text())
+
+
+def x(v: float) -> str:
+    return f"{v:.2f}x"
+
+
+def iv(i: Mapping[str, float]) -> str:
+    """A ratio with its 95% interval."""
+    return f"{i['median']:.2f}x ({i['lo']:.2f}-{i['hi']:.2f})"
+
+
+def n(v: float) -> str:
+    return f"{v:,.0f}"
+
+
+def io_ratio(fig: str) -> Callable[[], str]:
+    """One bench_io ratio at every page size: ``256 KiB 0.93x (0.90-0.96), ...``."""
+    def value() -> str:
+        sizes = load("bench_io/bench_io.json")["sizes"]
+        return ", ".join(f"{SIZES[s]} {iv(r['ratios'][fig])}" for s, r in sizes.items() if fig in r["ratios"])
+    return value
+
+
+def io_range(fig: str) -> Callable[[], str]:
+    """The medians of one bench_io ratio over the page sizes, as ``lo-hi x``."""
+    def value() -> str:
+        meds = [r["ratios"][fig]["median"] for r in load("bench_io/bench_io.json")["sizes"].values() if fig in r["ratios"]]
+        return f"{min(meds):.2f}-{max(meds):.2f}x"
+    return value
+
+
+def io_table() -> str:
+    """performance.md's main table: every paired ratio of bench_io at each page size."""
+    sizes = load("bench_io/bench_io.json")["sizes"]
+    figs = list(next(iter(sizes.values()))["ratios"])
+    rows = ["| figure (median of per-round ratios, 95% interval) | " + " | ".join(SIZES[s] for s in sizes) + " |",
+            "|---|" + "---|" * len(sizes)]
+    for fig in figs:
+        cells = [iv(r["ratios"][fig]) if fig in r["ratios"] else "(same code)" for r in sizes.values()]
+        rows.append(f"| {fig} | " + " | ".join(cells) + " |")
+    return "\n" + "\n".join(rows) + "\n"
+
+
+def probe(case: str) -> Callable[[], str]:
+    return lambda: iv(load("bench_io/bench_io.json")["probe"]["ratios"][case])
+
+
+def python_us(op: str) -> Callable[[], str]:
+    return lambda: f"{load('bench_io/bench_io.json')['probe'][f'python_us_per_page_{op}_4k']['median']:.1f} us"
+
+
+def mixed_table() -> str:
+    """tierstore / O_DIRECT under the mixed read/write load, per page size."""
+    sizes = load("bench_mixed/bench_mixed.json")["sizes"]
+    rows = ["| page size | read under writes, p50 | read idle, p50 | write alone | write under reads |", "|---|---|---|---|---|"]
+    for s, r in sizes.items():
+        i = r["intervals"]
+        rows.append(f"| {SIZES[s]} | {iv(i['read_mixed_ms'])} | {iv(i['read_idle_ms'])} | {iv(i['write_alone_gbps'])} | "
+                    f"{iv(i['write_mixed_gbps'])} |")
+    return "\n" + "\n".join(rows) + "\n"
+
+
+def staging_table() -> str:
+    """Staged / direct read throughput (medians) and the copy alone, per page size."""
+    sizes = load("bench_staging/bench_staging.json")["sizes"]
+
+    def ratio(r: dict[str, Any], store: str, how: str) -> str:
+        s, d = r[store]["staged"], r[store]["direct"]
+        return f"{s[how]['median'] / d[how]['median']:.2f}"
+
+    rows = ["| page size | copy alone, us per page | O_DIRECT staged / direct: cold, warm | buffered: cold, warm |",
+            "|---|---|---|---|"]
+    for s, r in sizes.items():
+        rows.append(f"| {SIZES[s]} | {r['copy_us_per_page']['median']:.0f} | {ratio(r, 'O_DIRECT', 'read_cold_gbps')}, "
+                    f"{ratio(r, 'O_DIRECT', 'read_warm_gbps')} | {ratio(r, 'buffered', 'read_cold_gbps')}, "
+                    f"{ratio(r, 'buffered', 'read_warm_gbps')} |")
+    return "\n" + "\n".join(rows) + "\n"
+
+
+def tags_table() -> str:
+    rows = ["| page | pages | make, us | share of the write batch | check, us | share of the read batch |",
+            "|---|---|---|---|---|---|"]
+    for r in load("bench_tags/bench_tags.json")["rows"]:
+        rows.append(f"| {r['page_bytes'] >> 10} KiB | {r['pages']:,} | {r['make_s'] * 1e6:.0f} | {r['write_share']:.1%} | "
+                    f"{r['check_s'] * 1e6:.0f} | {r['read_share']:.1%} |")
+    return "\n" + "\n".join(rows) + "\n"
+
+
+def tag_ns(way: str) -> Callable[[], str]:
+    return lambda: f"{load('bench_tags/bench_tags.json')['seconds_per_tag'][way] * 1e9:,.0f} ns"
+
+
+def memory_per_page() -> str:
+    return f"{load('index_memory/index_memory.json')['bytes_per_page']:.0f} bytes"
+
+
+def memory_per_tb(size: str) -> Callable[[], str]:
+    return lambda: f"{load('index_memory/index_memory.json')['index_bytes_per_tb_of_pages'][size] / 2**30:.2f} GiB"
+
+
+def check_max() -> str:
+    m = load("check_cost/check_cost.json")["medians"]["engine"]
+    return f"{m['max_us'] / 1e3:.1f} ms"
+
+
+def check_calls() -> str:
+    m = load("check_cost/check_cost.json")
+    return f"{m['medians']['engine']['calls']:.0f} calls on {m['pages']:,} pages"
+
+
+def stress(path: str) -> Callable[[], str]:
+    def value() -> str:
+        v: Any = load("stress/stress.json")
+        for k in path.split("."):
+            v = v[k]
+        return n(v) if isinstance(v, (int, float)) else str(v)
+    return value
+
+
+def stress_no_slot() -> str:
+    s = load("stress/stress.json")
+    return f"{100 * (s['no_slot_share_once_warm'] or 0):.2f}%"
+
+
+def stress_minutes() -> str:
+    return f"{load('stress/stress.json')['seconds'] / 60:.0f}-minute"
+
+
+def index_commit(server: str, page: int, batch: int) -> Callable[[], str]:
+    def value() -> str:
+        for r in load("bench_index/bench_index.json")["configs"]:
+            if (r["server"], r["topology"], r["page_bytes"], r["batch"]) == (server, "1 node", page, batch):
+                return f"{r['server_us']['commit']['p50']:,.0f} µs"
+        raise SystemExit(f"figures: bench_index has no 1-node {server} row for {page} B x {batch}")
+    return value
+
+
+def drill(server: str, what: str) -> Callable[[], str]:
+    def value() -> str:
+        d = next(d for d in load("bench_index/bench_index.json")["drills"] if d["server"] == server)
+        if what == "hits_back":
+            return f"{d['hits_back_s']:.2f} s"
+        if what == "surviving":
+            return f"{100 * d['surviving_shards_hit_rate']:.0f}%"
+        return f"{d['pages_lost']} of {d['pages']}"
+    return value
+
+
+def paired_cluster(server: str, what: str) -> Callable[[], str]:
+    def value() -> str:
+        p = next(p for p in load("bench_index/bench_index.json")["paired"] if p["server"] == server)[what]
+        return f"{p['ratio']:.2f}x ({p['ratio_ci95'][0]:.2f}-{p['ratio_ci95'][1]:.2f})"
+    return value
+
+
+def loadtest(run: str, what: str) -> Callable[[], str]:
+    """From the four-configuration load test: a returning turn's TTFT quantile ("p50", "p90")."""
+    return lambda: f"{1e3 * load(f'loadtest/{run}.summary.json')['summary']['returning'][f'ttft_{what}_s']:,.0f} ms"
+
+
+def loadtest_speedup() -> str:
+    """Returning-turn TTFT p50 without HiCache over L2 + tierstore's."""
+    def p50(run: str) -> float:
+        return float(load(f"loadtest/{run}.summary.json")["summary"]["returning"]["ttft_p50_s"])
+    return x(p50("no-hicache") / p50("l2+tierstore"))
+
+
+LOADTEST_RUNS = (("no-hicache", "no HiCache"), ("l2", "HiCache L2 only"), ("l2+file", "L2 + SGLang `file` backend"),
+                 ("l2+tierstore", "L2 + tierstore"))
+
+
+def loadtest_table() -> str:
+    """Returning turns of the four-configuration load test: TTFT and the share each tier served."""
+    rows = ["| configuration | TTFT p50 | TTFT p90 | device | host | storage | recomputed |", "|---|---|---|---|---|---|---|"]
+    for run, label in LOADTEST_RUNS:
+        r = load(f"loadtest/{run}.summary.json")["summary"]["returning"]
+        rows.append(f"| {label} | {1e3 * r['ttft_p50_s']:,.0f} ms | {1e3 * r['ttft_p90_s']:,.0f} ms | {r['device_share']:.0%} | "
+                    f"{r['host_share']:.0%} | {r['storage_share']:.0%} | {r['recomputed_share']:.0%} |")
+    return "\n" + "\n".join(rows) + "\n"
+
+
+@cache
+def requests(run: str) -> dict[tuple[int, int], dict[str, Any]]:
+    """The load test's requests of one run, by (user, turn): the same seed makes them the same requests."""
+    lines = (RESULTS / f"loadtest/{run}.jsonl").read_text().splitlines()
+    out = {}
+    for ln in lines:
+        r = json.loads(ln)
+        if "user" in r and not r.get("error"):
+            out[(r["user"], r["turn"])] = r
+    return out
+
+
+def loadtest_paired(a: str, b: str, first: bool) -> Callable[[], str]:
+    """TTFT of run ``a`` over run ``b``, paired per request (returning turns, or first turns):
+    the median ratio with its interval, and on how many requests ``a`` was slower."""
+    from compare import paired_ratio
+
+    def value() -> str:
+        ra, rb = requests(a), requests(b)
+        both = [k for k in ra if k in rb and (k[1] == 1) == first]
+        i = paired_ratio([ra[k]["ttft_s"] for k in both], [rb[k]["ttft_s"] for k in both])
+        slower = sum(ra[k]["ttft_s"] > rb[k]["ttft_s"] for k in both)
+        return f"{iv(i)}, slower on {slower} of {len(both)}"
+    return value
+
+
+def decode_itl(a: str, b: str) -> Callable[[], str]:
+    """Median decode inter-token latency of run ``a`` over ``b`` (every token after the second
+    of every request; the first gaps include prefill), each side resampled."""
+    from compare import unpaired_ratio
+
+    def value() -> str:
+        def gaps(run: str) -> list[float]:
+            return [g for r in requests(run).values() for g in r["itl_s"][2:]]
+        ga, gb = gaps(a), gaps(b)
+        return f"{iv(unpaired_ratio(ga, gb))} ({1e3 * statistics.median(ga):.1f} against {1e3 * statistics.median(gb):.1f} ms)"
+    return value
+
+
+def planner_table() -> str:
+    """What the planner predicted for a returning user's own history against what was measured."""
+    rows = ["| run | planner, rates over the whole run | planner, hot prefixes and busy period taken out | measured |",
+            "|---|---|---|---|"]
+    for run, label in LOADTEST_RUNS[1:]:
+        p = load("loadtest/planner.json")[run]
+
+        def shares(d: dict[str, float]) -> str:
+            return " / ".join(f"{d[t]:.0%}" for t in ("device", "host", "storage"))
+
+        rows.append(f"| {label} | {shares(p['raw']['shares'])} | {shares(p['effective']['shares'])} | "
+                    f"{shares(p['measured_own_shares'])} |")
+    return "\n" + "\n".join(rows) + "\n"
+
+
+def calibration(key: str) -> Callable[[], str]:
+    """From the load test's calibration: a TTFT (ms) or a ratio of them."""
+    def value() -> str:
+        v = load("loadtest/calibration.json")[key]
+        return x(v) if "over" in key else f"{1e3 * v:,.0f} ms"
+    return value
+
+
+def speedup(base: str, q: str) -> Callable[[], str]:
+    """How many times sooner L2 + tierstore's returning turns got their first token than ``base``'s."""
+    def value() -> str:
+        def t(run: str) -> float:
+            return float(load(f"loadtest/{run}.summary.json")["summary"]["returning"][f"ttft_{q}_s"])
+        return f"{t(base) / t('l2+tierstore'):.1f}x"
+    return value
+
+
+def share(run: str, tier: str, own: bool = False) -> Callable[[], str]:
+    """The share of returning turns' prefix tokens (or, ``own``, of the users' own histories) a tier served."""
+    def value() -> str:
+        if own:
+            return f"{load('loadtest/planner.json')[run]['measured_own_shares'][tier]:.0%}"
+        return f"{load(f'loadtest/{run}.summary.json')['summary']['returning'][f'{tier}_share']:.0%}"
+    return value
+
+
+def one_node(page: int, batch: int) -> dict[str, Any]:
+    for r in load("bench_index/bench_index.json")["configs"]:
+        if (r["server"], r["topology"], r["page_bytes"], r["batch"]) == ("redis-server", "1 node", page, batch):
+            return dict(r)
+    raise SystemExit(f"figures: bench_index has no 1-node redis-server row for {page} B x {batch}")
+
+
+def batch_us(page: int, batch: int) -> float:
+    """Index server time of one write batch: its COMMIT and two HMGETs (probe, read)."""
+    su = one_node(page, batch)["server_us"]
+    return float(su["commit"]["p50"] + 2 * su["HMGET"]["p50"])
+
+
+# (fleet, page bytes, batch, write batches/s over all ranks, capacity TiB, masters, index)
+SIZING = (
+    ("1 node, 8 ranks, 2 TiB", 256 << 10, 16, 200, 2, 1, "one Redis: the embedded one, or node-local"),
+    ("8 nodes, 16 TiB shared", 2 << 20, 128, 128, 16, 1, "one Redis, with Sentinel for its failover"),
+    ("32 nodes, 64 TiB shared", 2 << 20, 128, 512, 64, 3, "a cluster of 3 masters"),
+    ("32 nodes, 64 TiB shared", 256 << 10, 16, 6400, 64, 6, "a cluster of 6 or more masters"),
+)
+
+
+def sizing_table() -> str:
+    """The README's index sizing: CPU = batches/s x server time per batch, memory = bytes per
+    page x pages the capacity holds; per master where the row needs a cluster."""
+    per_page = load("index_memory/index_memory.json")["bytes_per_page"]
+    rows = ["| fleet | pages, batch | write batches/s, all ranks | index CPU | index memory | index |", "|---|---|---|---|---|---|"]
+    for fleet, page, batch, rate, tib, masters, index in SIZING:
+        cpu = rate * batch_us(page, batch) / 1e6
+        mem = per_page * (tib << 40) / page / 2**30
+        each = f" ({cpu / masters:.0%} and {mem / masters:.1f} GiB each)" if masters > 1 else ""
+        size = f"{page >> 10} KiB" if page < 1 << 20 else f"{page >> 20} MiB"
+        rows.append(f"| {fleet} | {size}, {batch} | {rate:,} | {cpu:.0%} of a core | {mem:.1f} GiB | {index}{each} |")
+    return "\n" + "\n".join(rows) + "\n"
+
+
+def server_us(page: int, batch: int, call: str) -> Callable[[], str]:
+    return lambda: f"{one_node(page, batch)['server_us'][call]['p50']:,.0f} µs"
+
+
+def batch_total(page: int, batch: int) -> Callable[[], str]:
+    return lambda: f"{batch_us(page, batch):,.0f} µs"
+
+
+def aof(page: int, batch: int, topology: str) -> Callable[[], str]:
+    """AOF bytes a write batch appends over the masters (redis-server)."""
+    def value() -> str:
+        for r in load("bench_index/bench_index.json")["configs"]:
+            if (r["server"], r["topology"], r["page_bytes"], r["batch"]) == ("redis-server", topology, page, batch):
+                return f"{r['aof_bytes_per_write_batch'] / 1e3:,.1f} KB"
+        raise SystemExit(f"figures: bench_index has no {topology} redis-server row for {page} B x {batch}")
+    return value
+
+
+def stress_table() -> str:
+    """testing.md's summary of the committed stress run."""
+    d = load("stress/stress.json")
+    ops, pg, f, r, fail = d["operations"], d["pages"], d["faults"], d["redis_restarts"], d["failures"]
+    a = d["args"]
+    causes: dict[str, int] = {}
+    for ph in d["not_stored_by_phase"].values():
+        for c, k in ph["causes"].items():
+            causes[c] = causes.get(c, 0) + k
+    why = ", ".join(f"{k:,} {c}" for c, k in causes.items() if k) or "none"
+    rows = [f"| | {d['seconds']:.0f} s, {a['procs']} processes x {a['threads']} threads, {a['capacity_mb']} MiB store |", "|---|---|",
+            f"| operations | {sum(ops.values()):,} batches ({ops['get_batches']:,} get, {ops['set_batches']:,} set, "
+            f"{ops['exists_calls']:,} exists, {ops['delete_calls']:,} delete, {ops['clear_calls']:,} clear) |",
+            f"| pages | {pg['pages_stored']:,} stored, {pg['pages_not_stored']:,} not stored ({why}; "
+            f"{sum(max(0, x['unattributed']) for x in d['not_stored_by_phase'].values()):,} without a cause); "
+            f"{pg['hits']:,} hits, each verified byte for byte; {pg['misses']:,} misses |",
+            f"| pages finding no slot once warm | {100 * (d['no_slot_share_once_warm'] or 0):.2f}% of those offered (target at most 1%) |",
+            f"| evictions | {d['evicted_regions']:,} regions, {d['evicted_pages']:,} pages |",
+            f"| faults | {f['worker_kills']} worker kill -9s ({f['worker_kills_mid_write']} inside `write`), {f['redis_kills']} Redis "
+            f"kill -9s and restarts, {f['bit_flips']} bit flips, {f['capacity_lowered']} capacity cuts |",
+            f"| after a Redis restart | serving after {r['loading_s']['median']} s (max {r['loading_s']['max']} s) of AOF loading; "
+            f"the store answering {r['store_back_s']['median']} s (max {r['store_back_s']['max']} s) later |",
+            f"| writes while the index was down | {d['index_unavailable']:,} calls raised `IndexUnavailable` (not offered) |",
+            f"| pages failing verification | {d['pages_failed_verification']:,} (misses, dropped); the final read-back verified "
+            f"{d['scrub']['verified']:,} of {d['scrub']['present']:,} stored pages |",
+            f"| wrong pages, unexpected exceptions, leases left, `check()` problems | {fail['wrong_pages']}, "
+            f"{fail['unexpected_errors']}, {fail['leases_left']}, {fail['check_problems']} |"]
+    return "\n" + "\n".join(rows) + "\n"
+
+
+def suite(lane: str) -> Callable[[], str]:
+    """A lane of the suite in a clean clone: pytest's summary and the whole command's wall time."""
+    def value() -> str:
+        ln = load("suite/suite.json")["lanes"][lane]
+        m, sec = divmod(int(ln["wall_s"]), 60)
+        return f"{ln['summary']} ({m}:{sec:02d} for the whole command)"
+    return value
+
+
+def pair(job: str, key: str) -> Callable[[], str]:
+    """A paired comparison of the interleaved load-test rounds (``rounds.json``), as the docs may say it."""
+    from compare import say
+    return lambda: say(load(f"{job}/rounds.json")["pairs"][key])
+
+
+def caller_us(job: str, call: str) -> Callable[[], str]:
+    """tierstore's CPU on SGLang's thread per page of ``call`` (user + system), the range over the rounds."""
+    def value() -> str:
+        per = [c["per_page_us"].get(f"{call} user", 0) + c["per_page_us"].get(f"{call} system", 0)
+               for c in load(f"{job}/rounds.json")["tierstore_cpu"] if f"{call} user" in c["per_page_us"]]
+        return f"{min(per):.1f}-{max(per):.1f} us" if len(per) > 1 else f"{per[0]:.1f} us"
+    return value
+
+
+def thread_share(job: str, phase: str, name: str) -> Callable[[], str]:
+    """A thread group's CPU as a share of one core, the range over the rounds, busy or idle."""
+    def value() -> str:
+        v = [c[phase][name] for c in load(f"{job}/rounds.json")["tierstore_cpu"] if phase in c]
+        return f"{100 * min(v):.2f}-{100 * max(v):.2f}%" if len(v) > 1 else f"{100 * v[0]:.2f}%"
+    return value
+
+
+FIGURES: dict[str, Callable[[], str]] = {
+    "io.cold_read": io_ratio("cold read / O_DIRECT read"),
+    "io.write": io_ratio("write / O_DIRECT write"),
+    "io.cold_read.range": io_range("cold read / O_DIRECT read"),
+    "io.write.range": io_range("write / O_DIRECT write"),
+    "io.hicache_write.range": io_range("tierstore / HiCacheFile: write"),
+    "io.hicache_cold_read.range": io_range("tierstore / HiCacheFile: cold read"),
+    "io.table": io_table,
+    "io.probe": probe("probe_all_hit"),
+    "io.probe_first_missing": probe("probe_first_missing"),
+    "io.hmget": probe("hmget_128"),
+    "io.python_set": python_us("set"),
+    "io.python_get": python_us("get"),
+    "mixed.table": mixed_table,
+    "staging.table": staging_table,
+    "tags.table": tags_table,
+    "tags.used": tag_ns("blake2b-128, keyed once and copied (used)"),
+    "tags.hmac": tag_ns("hmac-sha256 truncated to 128 bits"),
+    "memory.per_page": memory_per_page,
+    "memory.per_tb_256k": memory_per_tb("256 KiB"),
+    "memory.per_tb_2m": memory_per_tb("2 MiB"),
+    "memory.per_tb_8m": memory_per_tb("8 MiB"),
+    "check.max": check_max,
+    "check.calls": check_calls,
+    "stress.minutes": stress_minutes,
+    "stress.table": stress_table,
+    "suite.full": suite("full"),
+    "suite.fast": suite("fast"),
+    "stress.hits": stress("pages.hits"),
+    "stress.wrong": stress("failures.wrong_pages"),
+    "stress.stored": stress("pages.pages_stored"),
+    "stress.not_stored": stress("pages.pages_not_stored"),
+    "stress.no_slot_warm": stress_no_slot,
+    "index.commit_16x256k": index_commit("redis-server", 256 << 10, 16),
+    "index.commit_128x2m": index_commit("redis-server", 2 << 20, 128),
+    "cluster.surviving.redis": drill("redis-server", "surviving"),
+    "cluster.hits_back.redis": drill("redis-server", "hits_back"),
+    "cluster.hits_back.valkey": drill("valkey-server", "hits_back"),
+    "cluster.lost.redis": drill("redis-server", "lost"),
+    "cluster.paired_probe.redis": paired_cluster("redis-server", "probe"),
+    "cluster.paired_commit.redis": paired_cluster("redis-server", "commit"),
+    "loadtest.tierstore_p50": loadtest("l2+tierstore", "p50"),
+    "loadtest.no_hicache_p50": loadtest("no-hicache", "p50"),
+    "loadtest.speedup": loadtest_speedup,
+    "loadtest.table": loadtest_table,
+    "sizing.table": sizing_table,
+    "index.aof_128x4k": aof(4 << 10, 128, "1 node"),
+    "index.aof_128x256k": aof(256 << 10, 128, "1 node"),
+    "index.aof_128x256k.cluster": aof(256 << 10, 128, "3-master cluster"),
+    "index.hmget_16x256k": server_us(256 << 10, 16, "HMGET"),
+    "index.hmget_128x2m": server_us(2 << 20, 128, "HMGET"),
+    "index.lease_128x2m": server_us(2 << 20, 128, "lease"),
+    "index.batch_16x256k": batch_total(256 << 10, 16),
+    "index.batch_128x2m": batch_total(2 << 20, 128),
+    "cluster.paired_probe.valkey": paired_cluster("valkey-server", "probe"),
+    "cluster.paired_commit.valkey": paired_cluster("valkey-server", "commit"),
+    "loadtest.vs_file.returning": loadtest_paired("l2+tierstore", "l2+file", first=False),
+    "loadtest.vs_file.first": loadtest_paired("l2+tierstore", "l2+file", first=True),
+    "loadtest.vs_file.itl": decode_itl("l2+tierstore", "l2+file"),
+    "loadtest.planner": planner_table,
+    "interference.itl.file": pair("interference", "l2+tierstore / l2+file: decode inter-token latency"),
+    "interference.itl.l2": pair("interference", "l2+tierstore / l2: decode inter-token latency"),
+    "interference.first.file": pair("interference", "l2+tierstore / l2+file: first-turn TTFT"),
+    "interference.first.l2": pair("interference", "l2+tierstore / l2: first-turn TTFT"),
+    "interference.returning.file": pair("interference", "l2+tierstore / l2+file: returning-turn TTFT"),
+    "interference.file_itl.l2": pair("interference", "l2+file / l2: decode inter-token latency"),
+    "interference.caller.write": caller_us("interference", "batch_set_v1"),
+    "interference.caller.read": caller_us("interference", "batch_get_v1"),
+    "interference.caller.probe": caller_us("interference", "batch_exists"),
+    "interference.busy.io": thread_share("interference", "busy", "tierstore-io"),
+    "interference.busy.hk": thread_share("interference", "busy", "tierstore-hk"),
+    "interference.busy.redis": thread_share("interference", "busy", "redis"),
+    "interference.idle.io": thread_share("interference", "idle", "tierstore-io"),
+    "interference.idle.hk": thread_share("interference", "idle", "tierstore-hk"),
+    "interference.idle.redis": thread_share("interference", "idle", "redis"),
+    "loadtest.cold": calibration("cold_ttft_s"),
+    "loadtest.storage_hit": calibration("storage_ttft_s"),
+    "loadtest.device_hit": calibration("device_ttft_s"),
+    "loadtest.storage_read": calibration("storage_read_s"),
+    "loadtest.cold_over_storage": calibration("cold_over_storage_ttft"),
+    "loadtest.recompute_over_read": calibration("recompute_over_storage_read"),
+    "loadtest.speedup.p50.none": speedup("no-hicache", "p50"),
+    "loadtest.speedup.p90.none": speedup("no-hicache", "p90"),
+    "loadtest.speedup.p50.l2": speedup("l2", "p50"),
+    "loadtest.speedup.p90.l2": speedup("l2", "p90"),
+    "loadtest.storage_share": share("l2+tierstore", "storage"),
+    "loadtest.own_storage_share": share("l2+tierstore", "storage", own=True),
+}
+
+
+def compute(name: str) -> str:
+    if name not in FIGURES:
+        raise SystemExit(f"figures: no figure named {name!r} (known: {', '.join(sorted(FIGURES))})")
+    return FIGURES[name]()
+
+
+def rewrite(text: str) -> str:
+    return MARK.sub(lambda m: f"<!--f:{m.group(1)}-->{compute(m.group(1))}<!--/f-->", text)
+
+
+def stale(page: Path) -> list[str]:
+    """Each marked figure on ``page`` whose text differs from its result file's value."""
+    return [f"{page.relative_to(ROOT)}: {m.group(1)} reads {m.group(2)!r}, its result gives {compute(m.group(1))!r}"
+            for m in MARK.finditer(page.read_text()) if m.group(2) != compute(m.group(1))]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = ap.add_mutually_exclusive_group(required=True)
+    g.add_argument("--write", action="store_true")
+    g.add_argument("--check", action="store_true")
+    g.add_argument("--list", action="store_true")
+    a = ap.parse_args()
+    if a.list:
+        for name in FIGURES:
+            print(f"{name:<28} {compute(name).strip()[:100]}")
+        return 0
+    if a.write:
+        for page in PAGES:
+            text = page.read_text()
+            new = rewrite(text)
+            if new != text:
+                page.write_text(new)
+                print(f"figures: rewrote {page.relative_to(ROOT)}")
+        return 0
+    bad = [line for page in PAGES for line in stale(page)]
+    print("\n".join(bad) or "figures: every marked figure matches its result file")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

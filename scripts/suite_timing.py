@@ -1,0 +1,81 @@
+#!/usr/bin/env python3
+"""What the test suite takes in a clean clone of this commit: the whole suite as CI runs it
+(``bash .ci/run``), then the fast lane.
+
+    python3 scripts/suite_timing.py --out scripts/results/suite/suite.json > scripts/results/suite/suite.txt
+    python3 scripts/suite_timing.py --quick ...     (one small test file: checks this script)
+
+Clones HEAD into a temporary directory (so nothing of the working tree but its commit counts),
+runs each command there with ``--durations=15`` and records its wall time, pytest's summary line
+and its slowest tests. Exits non-zero if a command fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from provenance import header, stamp  # noqa: E402
+
+LANES = {
+    "full": "bash .ci/run",
+    "fast": "bash scripts/setup.sh && python3 -m pytest -q --durations=15 -m 'not server' tests",
+}
+QUICK = {"quick": "python3 -m pytest -q --durations=15 tests/test_docs.py"}
+SUMMARY = re.compile(r"^=* ?(\d+ passed.*?) ?=*$", re.M)
+
+
+def run_lane(clone: Path, command: str) -> dict[str, Any]:
+    t0 = time.monotonic()
+    out = subprocess.run(["bash", "-c", command], cwd=clone, capture_output=True, text=True, check=False)
+    wall = time.monotonic() - t0
+    text = out.stdout + out.stderr
+    found = SUMMARY.findall(text)
+    slowest = text.split("slowest 15 durations", 1)[1].split("\n\n", 1)[0].strip().splitlines()[1:] \
+        if "slowest 15 durations" in text else []
+    return {"command": command, "returncode": out.returncode, "wall_s": round(wall, 1),
+            "summary": found[-1].strip("= ") if found else None, "slowest": slowest, "tail": text[-2000:] if out.returncode else ""}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="JSON of the lanes; the report goes to stdout")
+    ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="suite-"))
+    clone = work / "ci"
+    subprocess.run(["git", "clone", "-q", str(HERE.parent), str(clone)], check=True)
+    lanes: dict[str, dict[str, Any]] = {}
+    report = {"stamp": stamp(directory=str(work)), "lanes": lanes}
+    print(header(report["stamp"]))
+    try:
+        for name, command in (QUICK if a.quick else LANES).items():
+            lane = run_lane(clone, command)
+            lanes[name] = lane
+            mins, secs = divmod(int(lane["wall_s"]), 60)
+            print(f"\n{name}: {command}\n  {lane['summary']}; wall {mins}:{secs:02d} for the whole command")
+            for line in lane["slowest"]:
+                print(f"    {line}")
+            if lane["returncode"]:
+                print(lane["tail"])
+    finally:
+        # the editable install now points at the clone (setup.sh): point it back at this checkout
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "-e", str(HERE.parent)],
+                       capture_output=True, check=False)
+        shutil.rmtree(work, ignore_errors=True)
+    Path(a.out).write_text(json.dumps(report, indent=1))
+    return 1 if any(lane["returncode"] for lane in lanes.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
