@@ -56,6 +56,22 @@ def unpaired_ratio(a: Sequence[float], b: Sequence[float], seed: int = SEED) -> 
             "hi": ratios[int(0.975 * BOOTSTRAP) - 1], "n": min(len(a), len(b))}
 
 
+def clustered_paired_ratio(groups: Sequence[tuple[Sequence[float], Sequence[float]]], seed: int = SEED) -> Interval:
+    """Median of a[i] / b[i] over every pair of every group, with a 95% interval that
+    resamples groups, then pairs within each drawn group: the pairs of one group (the
+    requests of one round) share that round's machine state, so resampling them alone
+    would make the interval too narrow; ``n`` counts the groups."""
+    ratios = [[x / y for x, y in zip(a, b, strict=True)] for a, b in groups]
+    ratios = [r for r in ratios if r]
+    if not ratios:
+        raise ValueError("no pairs to take a median of")
+    rnd = random.Random(seed)
+    meds = sorted(statistics.median([x for g in rnd.choices(ratios, k=len(ratios)) for x in rnd.choices(g, k=len(g))])
+                  for _ in range(BOOTSTRAP))
+    return {"median": statistics.median([x for g in ratios for x in g]), "lo": meds[int(0.025 * BOOTSTRAP)],
+            "hi": meds[int(0.975 * BOOTSTRAP) - 1], "n": len(ratios)}
+
+
 def differs(iv: Interval, around: float = 1.0) -> bool:
     """Whether the interval excludes ``around`` (1 for a ratio, 0 for a difference)."""
     return iv["lo"] > around or iv["hi"] < around

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import statistics
 import sys
 from collections.abc import Callable, Mapping
 from functools import cache
@@ -79,6 +78,24 @@ def io_table() -> str:
         cells = [iv(r["ratios"][fig]) if fig in r["ratios"] else "(same code)" for r in sizes.values()]
         rows.append(f"| {fig} | " + " | ".join(cells) + " |")
     return "\n" + "\n".join(rows) + "\n"
+
+
+IO_TARGETS = (  # (figure, sizes it applies to, least median)
+    ("cold read / O_DIRECT read", ("1M", "2M", "8M"), 0.9),
+    ("write / O_DIRECT write", ("1M", "2M", "8M"), 0.9),
+    ("write / O_DIRECT write", ("256K",), 0.85),
+    ("eviction (steady / same footprint never evicting): write", ("256K", "1M", "2M", "8M"), 0.95),
+    ("eviction (steady / same footprint never evicting): cold read", ("256K", "1M", "2M", "8M"), 0.95),
+)
+
+
+def io_targets() -> str:
+    """Which of bench_io's targets the committed run met, and by how much each missed one."""
+    sizes = load("bench_io/bench_io.json")["sizes"]
+    missed = [f"{fig} at {SIZES[sz]}: {iv(sizes[sz]['ratios'][fig])} against at least {least}"
+              for fig, where, least in IO_TARGETS for sz in where
+              if sz in sizes and sizes[sz]["ratios"][fig]["median"] < least]
+    return "every one met" if not missed else "missed: " + "; ".join(missed)
 
 
 def probe(case: str) -> Callable[[], str]:
@@ -246,15 +263,16 @@ def loadtest_paired(a: str, b: str, first: bool) -> Callable[[], str]:
 
 
 def decode_itl(a: str, b: str) -> Callable[[], str]:
-    """Median decode inter-token latency of run ``a`` over ``b`` (every token after the second
-    of every request; the first gaps include prefill), each side resampled."""
-    from compare import unpaired_ratio
+    """Decode inter-token latency of run ``a`` over ``b``, paired per request (each request's
+    median gap after its first two tokens, ``multiturn_loadtest.decode_itl``)."""
+    from compare import paired_ratio
+    from multiturn_loadtest import decode_itl as itl
 
     def value() -> str:
-        def gaps(run: str) -> list[float]:
-            return [g for r in requests(run).values() for g in r["itl_s"][2:]]
-        ga, gb = gaps(a), gaps(b)
-        return f"{iv(unpaired_ratio(ga, gb))} ({1e3 * statistics.median(ga):.1f} against {1e3 * statistics.median(gb):.1f} ms)"
+        ra, rb = requests(a), requests(b)
+        both = [k for k in sorted(ra.keys() & rb.keys()) if itl(ra[k]) is not None and itl(rb[k]) is not None]
+        i = paired_ratio([itl(ra[k]) for k in both], [itl(rb[k]) for k in both])  # type: ignore[misc]
+        return f"{iv(i)} over {len(both)} requests"
     return value
 
 
@@ -383,15 +401,6 @@ def stress_table() -> str:
     return "\n" + "\n".join(rows) + "\n"
 
 
-def suite(lane: str) -> Callable[[], str]:
-    """A lane of the suite in a clean clone: pytest's summary and the whole command's wall time."""
-    def value() -> str:
-        ln = load("suite/suite.json")["lanes"][lane]
-        m, sec = divmod(int(ln["wall_s"]), 60)
-        return f"{ln['summary']} ({m}:{sec:02d} for the whole command)"
-    return value
-
-
 def pair(job: str, key: str) -> Callable[[], str]:
     """A paired comparison of the interleaved load-test rounds (``rounds.json``), as the docs may say it."""
     from compare import say
@@ -423,6 +432,7 @@ FIGURES: dict[str, Callable[[], str]] = {
     "io.hicache_write.range": io_range("tierstore / HiCacheFile: write"),
     "io.hicache_cold_read.range": io_range("tierstore / HiCacheFile: cold read"),
     "io.table": io_table,
+    "io.targets": io_targets,
     "io.probe": probe("probe_all_hit"),
     "io.probe_first_missing": probe("probe_first_missing"),
     "io.hmget": probe("hmget_128"),
@@ -441,8 +451,6 @@ FIGURES: dict[str, Callable[[], str]] = {
     "check.calls": check_calls,
     "stress.minutes": stress_minutes,
     "stress.table": stress_table,
-    "suite.full": suite("full"),
-    "suite.fast": suite("fast"),
     "stress.hits": stress("pages.hits"),
     "stress.wrong": stress("failures.wrong_pages"),
     "stress.stored": stress("pages.pages_stored"),

@@ -63,7 +63,7 @@ sys.path[:0] = [HERE, os.path.join(HERE, "..", "tests")]
 
 from cpu_harness import tiny_model
 from cpu_harness.server import BASE_FLAGS, Server, storage_args, tierstore_config
-from multiturn_loadtest import load_rows
+from multiturn_loadtest import decode_itl, load_rows
 from provenance import header, stamp
 
 from sglang_tierstore.embedded import pid_file
@@ -411,12 +411,6 @@ def paired(ref_rows: list[dict[str, Any]], rows: list[dict[str, Any]], returning
 CALL_OPS = {"batch_exists": "probe", "batch_get_v1": "read", "batch_set_v1": "write"}
 
 
-def decode_itl(r: dict[str, Any]) -> float | None:
-    """A request's median inter-token latency after its first two tokens (the first gaps hold prefill)."""
-    gaps = (r.get("itl_s") or [])[2:]
-    return statistics.median(gaps) if gaps else None
-
-
 def per_request(rows: list[dict[str, Any]], round_no: int) -> dict[tuple[int, int, int], dict[str, Any]]:
     return {(round_no, r["user"], r["turn"]): r for r in rows if not r.get("error") and not r.get("backup")
             and r.get("ttft_s") is not None}
@@ -455,9 +449,10 @@ def tierstore_cpu(summary: dict[str, Any]) -> dict[str, Any]:
 def rounds_report(out_dir: str, configs: list[str], suffix: str, rounds: int) -> str:
     """Each configuration against the others over interleaved rounds, paired request by
     request within a round (the same seed: the same requests): returning-turn TTFT,
-    first-turn TTFT and decode inter-token latency, median ratio with a 95% interval
-    (``compare.py``); and what tierstore's own work cost. Written to ``rounds.json``."""
-    from compare import paired_ratio, say
+    first-turn TTFT and decode inter-token latency, the median ratio with a 95% interval
+    that resamples rounds, then requests (``compare.clustered_paired_ratio``); and what
+    tierstore's own work cost. Written to ``rounds.json``."""
+    from compare import clustered_paired_ratio, say
 
     reqs: dict[str, dict[tuple[int, int, int], dict[str, Any]]] = {c: {} for c in configs}
     cpu: list[dict[str, Any]] = []
@@ -470,7 +465,7 @@ def rounds_report(out_dir: str, configs: list[str], suffix: str, rounds: int) ->
     metrics = {"returning-turn TTFT": lambda r: r["ttft_s"] if r["turn"] > 1 else None,
                "first-turn TTFT": lambda r: r["ttft_s"] if r["turn"] == 1 else None,
                "decode inter-token latency": decode_itl}
-    out: dict[str, Any] = {"stamp": stamp(), "rounds": rounds, "configs": configs, "pairs": {}, "medians": {},
+    out: dict[str, Any] = {"stamp": stamp(directory=out_dir), "rounds": rounds, "configs": configs, "pairs": {}, "medians": {},
                            "tierstore_cpu": cpu}
     lines = [f"interleaved: {rounds} rounds of {', '.join(configs)} (round k starts k configurations later), "
              "each run on fresh state; paired request by request within a round, median ratio and 95% interval:"]
@@ -479,12 +474,14 @@ def rounds_report(out_dir: str, configs: list[str], suffix: str, rounds: int) ->
                              for m, f in metrics.items()}
     for a, b in [(a, b) for i, a in enumerate(configs) for b in configs[i + 1:]]:
         for m, f in metrics.items():
-            both = [k for k in reqs[a].keys() & reqs[b].keys() if f(reqs[a][k]) is not None and f(reqs[b][k]) is not None]
+            both = [k for k in sorted(reqs[a].keys() & reqs[b].keys()) if f(reqs[a][k]) is not None and f(reqs[b][k]) is not None]
             if len(both) < 3:
                 continue
-            iv = paired_ratio([f(reqs[b][k]) for k in sorted(both)], [f(reqs[a][k]) for k in sorted(both)])
+            groups = [([f(reqs[b][k]) for k in both if k[0] == r], [f(reqs[a][k]) for k in both if k[0] == r])
+                      for r in range(rounds)]
+            iv = clustered_paired_ratio(groups)
             out["pairs"][f"{b} / {a}: {m}"] = iv
-            lines.append(f"  {b} / {a}, {m} ({len(both)} requests): {say(iv)}")
+            lines.append(f"  {b} / {a}, {m} ({len(both)} requests in {iv['n']} rounds): {say(iv)}")
     for k, c in enumerate(cpu):
         lines.append(f"  tierstore, round {k + 1}: caller CPU per page " + ", ".join(f"{n} {v:.1f} us" for n, v in c["per_page_us"].items()))
         for phase in ("busy", "idle"):
@@ -528,15 +525,19 @@ def thread_cpu(root: int) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {}
     for pid in tree:
         try:
-            for tid in os.listdir(f"/proc/{pid}/task"):
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue  # the process exited meanwhile
+        for tid in tids:
+            try:
                 with open(f"/proc/{pid}/task/{tid}/comm") as f:
                     name = f.read().strip()
                 u, sy = _stat_times(f"/proc/{pid}/task/{tid}/stat")
-                acc = out.setdefault(name, [0.0, 0.0])
-                acc[0] += u
-                acc[1] += sy
-        except OSError:
-            continue  # exited meanwhile
+            except OSError:
+                continue  # the thread exited meanwhile
+            acc = out.setdefault(name, [0.0, 0.0])
+            acc[0] += u
+            acc[1] += sy
     return out
 
 
@@ -552,10 +553,12 @@ def cpu_snapshot(root: int, store: str | None) -> dict[str, Any]:
 
 
 def cpu_between(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    """CPU seconds [user, system] each thread name (and the embedded index) used from ``a`` to ``b``."""
+    """CPU seconds [user, system] each thread name (and the embedded index) used from ``a`` to
+    ``b`` (a thread that exited between them takes its time with it: at least 0)."""
     names = a["threads"].keys() | b["threads"].keys()
     out: dict[str, Any] = {"seconds": b["t"] - a["t"], "threads": {
-        n: [round(y - x, 3) for x, y in zip(a["threads"].get(n, [0.0, 0.0]), b["threads"].get(n, [0.0, 0.0]))] for n in names}}
+        n: [round(max(0.0, y - x), 3) for x, y in zip(a["threads"].get(n, [0.0, 0.0]), b["threads"].get(n, [0.0, 0.0]))]
+        for n in names}}
     if "redis" in a and "redis" in b:
         out["redis"] = [round(y - x, 3) for x, y in zip(a["redis"], b["redis"])]
     return out

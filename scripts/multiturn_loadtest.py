@@ -565,6 +565,13 @@ def table(summaries: Sequence[dict[str, Any]]) -> str:
 # -- plots ------------------------------------------------------------------------------------
 
 
+def decode_itl(row: dict[str, Any]) -> float | None:
+    """A request's median inter-token latency after its first two tokens (the first gaps
+    still hold prefill and the first scheduling); None for a request with no such gaps."""
+    gaps = (row.get("itl_s") or [])[2:]
+    return statistics.median(gaps) if gaps else None
+
+
 def load_rows(summary_path: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     with open(summary_path) as f:
         s = json.load(f)

@@ -91,16 +91,18 @@ def stamp(argv: list[str] | None = None, *, directory: str | None = None,
           server_flags: list[str] | None = None) -> dict[str, Any]:
     """The stamp of a run: ``argv`` defaults to this process's command line, ``directory``
     is where its files go, ``server_flags`` the index servers' flags it starts them with.
-    ``dirty``: tracked files other than ``scripts/results/`` differ from ``commit``."""
+    ``dirty``: files other than ``scripts/results/`` differ from ``commit`` or are not in git
+    (None when git cannot tell)."""
     import sglang_tierstore
 
     pkg_root = Path(sglang_tierstore.__file__).resolve().parent.parent
     cmd = argv if argv is not None else [os.path.relpath(sys.argv[0], ROOT) if sys.argv[0] else "?", *sys.argv[1:]]
-    # results being regenerated are not the code that measured them
-    dirty = _git("status", "--porcelain", "--untracked-files=no", "--", ":/", ":(top,exclude)scripts/results")
+    # results being regenerated are not the code that measured them; a new untracked module is
+    status = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", ":/", ":(top,exclude)scripts/results"],
+                            capture_output=True, text=True, check=False)
     return {
         "commit": _git("rev-parse", "HEAD") or "?",
-        "dirty": bool(dirty),
+        "dirty": bool(status.stdout.strip()) if status.returncode == 0 else None,
         "engine": str(pkg_root) if pkg_root != ROOT else ".",
         "command": shlex.join(["python3", *cmd]),
         "servers": {n: _server_version(n) for n in SERVERS},

@@ -385,7 +385,8 @@ class Phases:
     are lost, as everywhere in this run)."""
 
     CAUSES = ("full", "too_big", "unreached", "file_unready", "io_error", "io_timeout", "file_gone", "refused", "detached")
-    FIELDS = ("pages_stored", "pages_not_stored", *(f"write_{c}" for c in CAUSES))
+    # pages of write calls that raised (IndexUnavailable): counted by the store, never offered in the tally
+    FIELDS = ("pages_stored", "pages_not_stored", "write_raised", *(f"write_{c}" for c in CAUSES))
 
     def __init__(self) -> None:
         self.totals = {p: Counter[str]() for p in PHASES}
@@ -404,8 +405,9 @@ class Phases:
 
     def summary(self) -> dict[str, dict[str, Any]]:
         """Per phase: pages offered, not stored, and each cause the store counted for them
-        (its ``write`` outcomes); ``unattributed`` is what no cause covers (0 but for a
-        write whose commit raised IndexUnavailable after some of its pages were counted)."""
+        (its ``write`` outcomes), and the pages of write calls that raised; ``unattributed``
+        is what no cause covers: above 0 a cause the store does not count, below 0 only a
+        write that ended between a worker's report of its tally and of its metrics."""
         out = {}
         for p in PHASES:
             c = self.totals[p]
@@ -413,6 +415,7 @@ class Phases:
             causes = {k: c[f"write_{k}"] for k in self.CAUSES}
             out[p] = {"seconds": round(self.seconds[p], 1), "pages_offered": offered,
                       "not_stored": c["pages_not_stored"], "causes": causes, "no_slot": causes["full"],
+                      "raised": c["write_raised"],
                       "unattributed": c["pages_not_stored"] - sum(causes.values()),
                       "no_slot_share": round(causes["full"] / offered, 5) if offered else None}
         return out
@@ -760,6 +763,7 @@ def table(s: dict[str, Any]) -> str:
         *((f"  {p}", (f"{x['seconds']:.0f} s: {x['pages_offered']:,} pages offered, {x['not_stored']:,} not stored: "
                       + ", ".join(f"{n:,} {c}" for c, n in x["causes"].items() if n)
                       + (", " if any(x["causes"].values()) else "") + f"{x['unattributed']:,} unattributed; "
+                      f"{x['raised']:,} more in calls that raised; "
                       f"{100 * (x['no_slot_share'] or 0):.2f}% of those offered found no slot"))
           for p, x in s["not_stored_by_phase"].items()),
         ("evictions", f"{s['evicted_regions']:,} regions, {s['evicted_pages']:,} pages"),

@@ -69,9 +69,9 @@ def main() -> int:
             if lane["returncode"]:
                 print(lane["tail"])
     finally:
-        # the editable install now points at the clone (setup.sh): point it back at this checkout
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "-e", str(HERE.parent)],
-                       capture_output=True, check=False)
+        if not a.quick:  # setup.sh pointed the editable install at the clone: point it back at this checkout
+            subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "-e", str(HERE.parent)],
+                           capture_output=True, check=False)
         shutil.rmtree(work, ignore_errors=True)
     Path(a.out).write_text(json.dumps(report, indent=1))
     return 1 if any(lane["returncode"] for lane in lanes.values()) else 0

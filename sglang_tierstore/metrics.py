@@ -36,7 +36,7 @@ PAGES = Counter(
 BYTES = Counter("tierstore_bytes_total", "Page bytes moved to or from page files.", ["op", *RANK_LABELS])
 CPU = Counter(
     "tierstore_caller_cpu_seconds_total",
-    "CPU time tierstore spent on SGLang's calling thread, by call and mode (user time bounds the GIL the call held).",
+    "CPU time tierstore spent on SGLang's calling thread during each call, by call and mode (user, system).",
     ["call", "mode", *RANK_LABELS],
 )
 ERRORS = Counter("tierstore_errors_total", "Failures turned into misses or failed writes, by kind.", ["kind", *RANK_LABELS])

@@ -14,7 +14,9 @@ import logging
 import secrets
 import time as mod_time
 from dataclasses import dataclass
+from collections import Counter
 from typing import Callable, Generator, Mapping, Optional, Sequence, Type
+from typing import Counter as CounterT
 
 import xxhash
 
@@ -460,20 +462,29 @@ class TierStore:
         if not keys:
             return []
         t0 = mod_time.perf_counter()
-        a = self.space.attached()
+        outcomes: CounterT[str] = Counter()  # one per page: stored, exists, or why not
         try:
-            results = self._write(a, ns, keys, srcs, aligned)
-        except StoreDetached as e:
-            self.space.detach(e, a)
-            results = [False] * len(keys)
-            self.metrics.pages("write", "detached", len(keys))
+            a = self.space.attached()
+            try:
+                results = self._write(a, ns, keys, srcs, aligned, outcomes)
+            except StoreDetached as e:
+                self.space.detach(e, a)
+                results = [False] * len(keys)
+                outcomes["detached"] += len(keys) - sum(outcomes.values())
+        except BaseException:
+            outcomes["raised"] += len(keys) - sum(outcomes.values())  # the index down or refusing, no store yet
+            raise
+        finally:
+            for outcome, n in outcomes.items():
+                self.metrics.pages("write", outcome, n)
         self.metrics.observe("write", mod_time.perf_counter() - t0)
         return results
 
-    def _write(self, a: Attachment, ns: Namespace, keys: Sequence[str], srcs: Sequence[Regions], aligned: bool) -> list[bool]:
+    def _write(self, a: Attachment, ns: Namespace, keys: Sequence[str], srcs: Sequence[Regions], aligned: bool,
+               outcomes: CounterT[str]) -> list[bool]:
         pb = ns.page_bytes
         fields = entry_fields(ns.ns_id, keys)
-        with a.reserve(pb, fields) as res:
+        with a.reserve(pb, fields, outcomes) as res:
             runs = self._runs(list(res.places), pb, len(srcs[0]))
             units = [(run, off, piece) for run in runs
                      for off, piece in _pieces([m for p in run for m in srcs[p.pos]], MAX_RUN_BYTES)]
@@ -491,7 +502,7 @@ class TierStore:
                 for p in res.places:  # while the pages are being written
                     sl = res.slots[p.pos]
                     tails[p.pos] = a.tags.tail(fields[p.pos], sl.region, sl.gen, sl.slot, checksum(srcs[p.pos]))
-                outcomes: dict[int, object] = dict(batch.as_completed(deadline))
+                finished: dict[int, object] = dict(batch.as_completed(deadline))
             except BaseException:  # pieces not started never start; running ones are waited for until the deadline
                 if not batch.settle(deadline):
                     _give_up(res)  # some still run: their slots must not go back into a stock
@@ -500,23 +511,23 @@ class TierStore:
             failed: set[int] = set()
             late = 0
             for k, (run, _, _) in enumerate(units):
-                o = outcomes.get(k, _LATE)
+                o = finished.get(k, _LATE)
                 if o is _LATE:
                     late += len(run) * (run[0].pos not in failed)
                 elif isinstance(o, BaseException) and run[0].pos not in failed:
                     a.files.failure("io_write", run[0].file.number, o)  # once per run, however many pieces failed
                 if o is _LATE or isinstance(o, BaseException):
                     failed.update(p.pos for p in run)
-            self.metrics.pages("write", "io_timeout", late)
-            self.metrics.pages("write", "io_error", len(failed) - late)
+            outcomes["io_timeout"] += late
+            outcomes["io_error"] += len(failed) - late
             if late:
                 self.metrics.error("io_write_timeout", late)
                 self.log.warning("io_write_timeout", "%d page(s) not written within write_timeout_s=%g s (a stalled disk, "
                                  "or I/O threads stuck on one): not stored", late, timeout)
             status = res.commit((p.pos for p in res.places if p.pos not in failed), tails, self.cfg.fsync == "commit")
         stored = sum(1 for s in status.values() if s == STORED)
-        self.metrics.pages("write", "stored", stored)
-        self.metrics.pages("write", "exists", sum(1 for s in status.values() if s == EXISTS))
+        outcomes["stored"] += stored
+        outcomes["exists"] += sum(1 for s in status.values() if s == EXISTS)
         self.metrics.bytes("write", stored * pb)
         return [status.get(i) in (STORED, EXISTS) for i in range(len(keys))]
 

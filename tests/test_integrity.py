@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 import os
 import threading
 import time
@@ -140,7 +141,7 @@ def test_uncommitted_write_is_invisible_and_its_slots_reclaimed(cfg: dict[str, A
         ns = dying.namespace({"m": 1}, 65536)
         ks, src = keys(2), pages(2, 65536, 4)
         a = dying.space.attached()
-        with a.reserve(ns.page_bytes, entry_fields(ns.ns_id, ks)) as res:
+        with a.reserve(ns.page_bytes, entry_fields(ns.ns_id, ks), Counter()) as res:
             assert len(res.places) == 2
             for place in res.places:
                 a.pages.write(place.file, place.offset, [memoryview(src[place.pos])], ns.page_bytes, False)

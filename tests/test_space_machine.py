@@ -10,6 +10,7 @@ model holds for it. A key the model holds may be a miss (evicted).
 
 from __future__ import annotations
 
+from collections import Counter
 import os
 import time
 import uuid
@@ -128,7 +129,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         proc = self.procs.pop(p % len(self.procs))
         ns = self.ns(proc, n)
         a = proc.space.attached()
-        with a.reserve(ns.page_bytes, entry_fields(ns.ns_id, [KEYS[k] for k in ks])) as res:
+        with a.reserve(ns.page_bytes, entry_fields(ns.ns_id, [KEYS[k] for k in ks]), Counter()) as res:
             for place in res.places:
                 if write:
                     a.pages.write(place.file, place.offset, [memoryview(b"\xee" * ns.page_bytes)], ns.page_bytes, False)

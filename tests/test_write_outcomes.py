@@ -15,11 +15,11 @@ import pytest
 from conftest import RedisProc, keys
 from engine_kit import Hook, MiB, engine, hooked, pages, views
 
-from sglang_tierstore.errors import PageIOError
+from sglang_tierstore.errors import IndexUnavailable, PageIOError
 from sglang_tierstore.store import TierStore
 
 OUTCOMES = ("stored", "exists", "full", "too_big", "unreached", "file_unready", "io_error", "io_timeout", "file_gone",
-            "refused", "detached")
+            "refused", "detached", "raised")
 
 
 @pytest.fixture
@@ -86,4 +86,22 @@ def test_pages_a_stalled_disk_did_not_write_in_time_are_io_timeouts(cfg: dict[st
         assert write_outcomes(st, ns, keys(2, "late"), 64 << 10, 6) == ([False] * 2, {"io_timeout": 2})
     finally:
         release.set()
+        st.close()
+
+
+def test_a_write_that_raises_counts_each_of_its_pages_once(tmp_path: Path, private_redis: RedisProc) -> None:
+    """The index goes away under a store that has written before: the write raises
+    IndexUnavailable (the adapter turns it into failed writes), and every page of it is
+    counted once, as ``raised``."""
+    st = engine({"path": str(tmp_path / "s"), "redis_url": private_redis.url, "redis_prefix": "wr", "io_threads": 2,
+                 "capacity_gb": 64 * MiB / (1 << 30), "redis_timeout_s": 0.3, "redis_retry_s": 0.3})
+    try:
+        ns = st.namespace({}, 64 << 10)
+        assert write_outcomes(st, ns, keys(2, "before"), 64 << 10, 1) == ([True] * 2, {"stored": 2})
+        private_redis.kill()
+        before = st.stats().get("write_raised", 0)
+        with pytest.raises(IndexUnavailable):
+            st.write(ns, keys(5, "down"), views(pages(5, 64 << 10, 2)), False)
+        assert st.stats()["write_raised"] - before == 5
+    finally:
         st.close()

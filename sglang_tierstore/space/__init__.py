@@ -36,6 +36,7 @@ from __future__ import annotations
 import threading
 import time as mod_time
 from typing import Callable, Iterable, Mapping, NamedTuple, Optional, Sequence, Type
+from typing import Counter as CounterT
 
 from sglang_tierstore.config import TierStoreConfig
 from sglang_tierstore.errors import (
@@ -89,12 +90,14 @@ class Reservation:
     :meth:`commit` (use it as a context manager: housekeeping then knows the writer is
     busy). Pages it has no place for (every region pinned, pages larger than a region)
     are not stored. Slots it placed and that no commit published or gave up stay in the
-    writer's lease: the next call answers them back into the stock."""
+    writer's lease: the next call answers them back into the stock. Why each page it did
+    not store was not stored goes into ``outcomes`` (the caller counts them)."""
 
-    def __init__(self, a: "Attachment", page_bytes: int, fields: Sequence[bytes]) -> None:
+    def __init__(self, a: "Attachment", page_bytes: int, fields: Sequence[bytes], outcomes: CounterT[str]) -> None:
         self._a = a
         self.page_bytes = page_bytes
         self.fields = fields
+        self.outcomes = outcomes
         self.parts = by_shard(fields, a.geometry.shards)
         self.places: list[Place] = []  # the pages placed, in batch order
         self.slots: dict[int, Slot] = {}  # batch position -> slot, placed or not
@@ -129,11 +132,11 @@ class Reservation:
             if where is not None:  # the rest (a file not ready any more): given up at commit
                 self.places.append(Place(i, where[0], where[1] + sl.slot * step))
         self.slots = slots
-        a.metrics.pages("write", "unreached", unreached)
-        a.metrics.pages("write", "file_unready", len(slots) - len(self.places))
+        self.outcomes["unreached"] += unreached
+        self.outcomes["file_unready"] += len(slots) - len(self.places)
         full = len(self.fields) - len(slots) - unreached
         if full > 0:
-            a.metrics.pages("write", "too_big" if pb > g.region_bytes else "full", full)
+            self.outcomes["too_big" if pb > g.region_bytes else "full"] += full
             a.log.warning("full", "no slot for %d page(s) of %d bytes (every region pinned by writers, or pages larger "
                           "than the store's %d-byte regions)", full, pb, g.region_bytes)
 
@@ -155,7 +158,7 @@ class Reservation:
             except PageIOError as e:
                 a.files.failure("io_write", ref.number, e)
                 ok -= {i for i in ok if files[i] == ref}
-        a.metrics.pages("write", "file_gone", checked - len(ok))
+        self.outcomes["file_gone"] += checked - len(ok)
         slots = self.slots
         calls = []
         for s, idx in self.parts.items():
@@ -173,10 +176,10 @@ class Reservation:
         for (s, done, _, _, _), rep in zip(calls, replies):
             if isinstance(rep, IndexUnavailable):
                 a.shard_failed(s, rep)
-                a.metrics.pages("write", "unreached", len(done))
+                self.outcomes["unreached"] += len(done)
                 continue
             status.update(zip(done, rep.status))
-            a.metrics.pages("write", "refused", rep.status.count(NOT_STORED))  # lease lost, or its region reclaimed
+            self.outcomes["refused"] += rep.status.count(NOT_STORED)  # lease lost, or its region reclaimed
             a.settled(rep)
         return status
 
@@ -215,12 +218,13 @@ class Attachment:
 
     # -- writes ------------------------------------------------------------------------
 
-    def reserve(self, page_bytes: int, fields: Sequence[bytes]) -> Reservation:
+    def reserve(self, page_bytes: int, fields: Sequence[bytes], outcomes: CounterT[str]) -> Reservation:
         """Slots for a batch of pages of this size (``with a.reserve(...) as r:``),
         leased, consecutive where the stock is: a page file is added where no region is
-        left without one, and fresh regions get their disk space, here."""
+        left without one, and fresh regions get their disk space, here. Pages not stored
+        are counted in ``outcomes`` by why."""
         self.on_use()
-        return Reservation(self, page_bytes, fields)
+        return Reservation(self, page_bytes, fields, outcomes)
 
     def fill_stock(self, page_bytes: int, need: Mapping[int, int]) -> set[int]:
         """Make this thread's stock hold ``need[shard]`` slots of this size where it can:
