@@ -52,14 +52,6 @@ def n(v: float) -> str:
     return f"{v:,.0f}"
 
 
-def io_ratio(fig: str) -> Callable[[], str]:
-    """One bench_io ratio at every page size: ``256 KiB 0.93x (0.90-0.96), ...``."""
-    def value() -> str:
-        sizes = load("bench_io/bench_io.json")["sizes"]
-        return ", ".join(f"{SIZES[s]} {iv(r['ratios'][fig])}" for s, r in sizes.items() if fig in r["ratios"])
-    return value
-
-
 def io_range(fig: str) -> Callable[[], str]:
     """The medians of one bench_io ratio over the page sizes, as ``lo-hi x``."""
     def value() -> str:
@@ -160,11 +152,6 @@ def check_max() -> str:
     return f"{m['max_us'] / 1e3:.1f} ms"
 
 
-def check_calls() -> str:
-    m = load("check_cost/check_cost.json")
-    return f"{m['medians']['engine']['calls']:.0f} calls on {m['pages']:,} pages"
-
-
 def stress(path: str) -> Callable[[], str]:
     def value() -> str:
         v: Any = load("stress/stress.json")
@@ -174,6 +161,12 @@ def stress(path: str) -> Callable[[], str]:
     return value
 
 
+def stress_store_back() -> str:
+    """How long after the restarted embedded Redis served the stress run's store answered again."""
+    r = load("stress/stress.json")["redis_restarts"]["store_back_s"]
+    return f"{r['median']} s (median, max {r['max']} s)"
+
+
 def stress_no_slot() -> str:
     s = load("stress/stress.json")
     return f"{100 * (s['no_slot_share_once_warm'] or 0):.2f}%"
@@ -181,15 +174,6 @@ def stress_no_slot() -> str:
 
 def stress_minutes() -> str:
     return f"{load('stress/stress.json')['seconds'] / 60:.0f}-minute"
-
-
-def index_commit(server: str, page: int, batch: int) -> Callable[[], str]:
-    def value() -> str:
-        for r in load("bench_index/bench_index.json")["configs"]:
-            if (r["server"], r["topology"], r["page_bytes"], r["batch"]) == (server, "1 node", page, batch):
-                return f"{r['server_us']['commit']['p50']:,.0f} µs"
-        raise SystemExit(f"figures: bench_index has no 1-node {server} row for {page} B x {batch}")
-    return value
 
 
 def drill(server: str, what: str) -> Callable[[], str]:
@@ -213,13 +197,6 @@ def paired_cluster(server: str, what: str) -> Callable[[], str]:
 def loadtest(run: str, what: str) -> Callable[[], str]:
     """From the four-configuration load test: a returning turn's TTFT quantile ("p50", "p90")."""
     return lambda: f"{1e3 * load(f'loadtest/{run}.summary.json')['summary']['returning'][f'ttft_{what}_s']:,.0f} ms"
-
-
-def loadtest_speedup() -> str:
-    """Returning-turn TTFT p50 without HiCache over L2 + tierstore's."""
-    def p50(run: str) -> float:
-        return float(load(f"loadtest/{run}.summary.json")["summary"]["returning"]["ttft_p50_s"])
-    return x(p50("no-hicache") / p50("l2+tierstore"))
 
 
 LOADTEST_RUNS = (("no-hicache", "no HiCache"), ("l2", "HiCache L2 only"), ("l2+file", "L2 + SGLang `file` backend"),
@@ -317,16 +294,17 @@ def share(run: str, tier: str, own: bool = False) -> Callable[[], str]:
     return value
 
 
-def one_node(page: int, batch: int) -> dict[str, Any]:
+def index_row(page: int, batch: int, topology: str = "1 node") -> dict[str, Any]:
+    """bench_index's redis-server row for pages of ``page`` bytes in batches of ``batch``."""
     for r in load("bench_index/bench_index.json")["configs"]:
-        if (r["server"], r["topology"], r["page_bytes"], r["batch"]) == ("redis-server", "1 node", page, batch):
+        if (r["server"], r["topology"], r["page_bytes"], r["batch"]) == ("redis-server", topology, page, batch):
             return dict(r)
-    raise SystemExit(f"figures: bench_index has no 1-node redis-server row for {page} B x {batch}")
+    raise SystemExit(f"figures: bench_index has no {topology} redis-server row for {page} B x {batch}")
 
 
 def batch_us(page: int, batch: int) -> float:
     """Index server time of one write batch: its COMMIT and two HMGETs (probe, read)."""
-    su = one_node(page, batch)["server_us"]
+    su = index_row(page, batch)["server_us"]
     return float(su["commit"]["p50"] + 2 * su["HMGET"]["p50"])
 
 
@@ -354,7 +332,7 @@ def sizing_table() -> str:
 
 
 def server_us(page: int, batch: int, call: str) -> Callable[[], str]:
-    return lambda: f"{one_node(page, batch)['server_us'][call]['p50']:,.0f} µs"
+    return lambda: f"{index_row(page, batch)['server_us'][call]['p50']:,.0f} µs"
 
 
 def batch_total(page: int, batch: int) -> Callable[[], str]:
@@ -363,12 +341,7 @@ def batch_total(page: int, batch: int) -> Callable[[], str]:
 
 def aof(page: int, batch: int, topology: str) -> Callable[[], str]:
     """AOF bytes a write batch appends over the masters (redis-server)."""
-    def value() -> str:
-        for r in load("bench_index/bench_index.json")["configs"]:
-            if (r["server"], r["topology"], r["page_bytes"], r["batch"]) == ("redis-server", topology, page, batch):
-                return f"{r['aof_bytes_per_write_batch'] / 1e3:,.1f} KB"
-        raise SystemExit(f"figures: bench_index has no {topology} redis-server row for {page} B x {batch}")
-    return value
+    return lambda: f"{index_row(page, batch, topology)['aof_bytes_per_write_batch'] / 1e3:,.1f} KB"
 
 
 def stress_table() -> str:
@@ -412,7 +385,8 @@ def caller_us(job: str, call: str) -> Callable[[], str]:
     def value() -> str:
         per = [c["per_page_us"].get(f"{call} user", 0) + c["per_page_us"].get(f"{call} system", 0)
                for c in load(f"{job}/rounds.json")["tierstore_cpu"] if f"{call} user" in c["per_page_us"]]
-        return f"{min(per):.1f}-{max(per):.1f} us" if len(per) > 1 else f"{per[0]:.1f} us"
+        lo, hi = f"{min(per):.1f}", f"{max(per):.1f}"
+        return f"{lo} us" if lo == hi else f"{lo}-{hi} us"
     return value
 
 
@@ -420,13 +394,12 @@ def thread_share(job: str, phase: str, name: str) -> Callable[[], str]:
     """A thread group's CPU as a share of one core, the range over the rounds, busy or idle."""
     def value() -> str:
         v = [c[phase][name] for c in load(f"{job}/rounds.json")["tierstore_cpu"] if phase in c]
-        return f"{100 * min(v):.2f}-{100 * max(v):.2f}%" if len(v) > 1 else f"{100 * v[0]:.2f}%"
+        lo, hi = f"{100 * min(v):.2f}", f"{100 * max(v):.2f}"
+        return f"{lo}%" if lo == hi else f"{lo}-{hi}%"
     return value
 
 
 FIGURES: dict[str, Callable[[], str]] = {
-    "io.cold_read": io_ratio("cold read / O_DIRECT read"),
-    "io.write": io_ratio("write / O_DIRECT write"),
     "io.cold_read.range": io_range("cold read / O_DIRECT read"),
     "io.write.range": io_range("write / O_DIRECT write"),
     "io.hicache_write.range": io_range("tierstore / HiCacheFile: write"),
@@ -448,7 +421,6 @@ FIGURES: dict[str, Callable[[], str]] = {
     "memory.per_tb_2m": memory_per_tb("2 MiB"),
     "memory.per_tb_8m": memory_per_tb("8 MiB"),
     "check.max": check_max,
-    "check.calls": check_calls,
     "stress.minutes": stress_minutes,
     "stress.table": stress_table,
     "stress.hits": stress("pages.hits"),
@@ -456,8 +428,10 @@ FIGURES: dict[str, Callable[[], str]] = {
     "stress.stored": stress("pages.pages_stored"),
     "stress.not_stored": stress("pages.pages_not_stored"),
     "stress.no_slot_warm": stress_no_slot,
-    "index.commit_16x256k": index_commit("redis-server", 256 << 10, 16),
-    "index.commit_128x2m": index_commit("redis-server", 2 << 20, 128),
+    "stress.redis_kills": stress("faults.redis_kills"),
+    "stress.store_back": stress_store_back,
+    "index.commit_16x256k": server_us(256 << 10, 16, "commit"),
+    "index.commit_128x2m": server_us(2 << 20, 128, "commit"),
     "cluster.surviving.redis": drill("redis-server", "surviving"),
     "cluster.hits_back.redis": drill("redis-server", "hits_back"),
     "cluster.hits_back.valkey": drill("valkey-server", "hits_back"),
@@ -466,7 +440,6 @@ FIGURES: dict[str, Callable[[], str]] = {
     "cluster.paired_commit.redis": paired_cluster("redis-server", "commit"),
     "loadtest.tierstore_p50": loadtest("l2+tierstore", "p50"),
     "loadtest.no_hicache_p50": loadtest("no-hicache", "p50"),
-    "loadtest.speedup": loadtest_speedup,
     "loadtest.table": loadtest_table,
     "sizing.table": sizing_table,
     "index.aof_128x4k": aof(4 << 10, 128, "1 node"),
@@ -488,7 +461,6 @@ FIGURES: dict[str, Callable[[], str]] = {
     "interference.first.file": pair("interference", "l2+tierstore / l2+file: first-turn TTFT"),
     "interference.first.l2": pair("interference", "l2+tierstore / l2: first-turn TTFT"),
     "interference.returning.file": pair("interference", "l2+tierstore / l2+file: returning-turn TTFT"),
-    "interference.file_itl.l2": pair("interference", "l2+file / l2: decode inter-token latency"),
     "interference.caller.write": caller_us("interference", "batch_set_v1"),
     "interference.caller.read": caller_us("interference", "batch_get_v1"),
     "interference.caller.probe": caller_us("interference", "batch_exists"),

@@ -52,6 +52,15 @@ class Job:
     also: tuple[str, ...] = ()  # glob patterns of further files it leaves (per-run files, plots)
 
 
+# the load tests' smoke: two configurations, two rounds, a model too small to mean anything
+QUICK_LOADTEST = ("--rounds", "2", "--configs", "l2,l2+tierstore", "--hidden", "64", "--layers", "2", "--num-clients", "2",
+                  "--num-rounds", "2", "--request-length", "32", "--sub-question-input-length", "16",
+                  "--system-prompt-length", "32", "--num-tenants", "1", "--output-length", "4", "--think-time-median", "1",
+                  "--request-rate", "2", "--max-total-tokens", "2048", "--idle-s", "1",
+                  "--workdir", "/var/tmp/tierstore-loadtest-smoke", "--output-dir", "{dir}")
+LOADTEST_OUTPUTS = ("summary.txt", "rounds.json", "planner.json", "calibration@r1.json")
+LOADTEST_ALSO = ("*.jsonl", "*.summary.json", "compare_*.png")
+
 JOBS: tuple[Job, ...] = (
     Job("bench_io", "bench_io.py", ("--repeat", "11", "--probe-repeat", "1000", "--out", "{dir}/bench_io.json"),
         ("--sizes", "256K", "--repeat", "3", "--probe-repeat", "20", "--out", "{dir}/bench_io.json"),
@@ -78,23 +87,12 @@ JOBS: tuple[Job, ...] = (
         ("stress.json", "stress.txt"), "stress.txt", 12),
     Job("loadtest", "loadtest_tiers.py",
         ("--rounds", "3", "--workdir", "/var/tmp/tierstore-loadtest", "--output-dir", "{dir}"),
-        ("--rounds", "2", "--configs", "l2,l2+tierstore", "--hidden", "64", "--layers", "2", "--num-clients", "2",
-         "--num-rounds", "2", "--request-length", "32", "--sub-question-input-length", "16", "--system-prompt-length", "32",
-         "--num-tenants", "1", "--output-length", "4", "--think-time-median", "1", "--request-rate", "2",
-         "--max-total-tokens", "2048", "--idle-s", "1", "--workdir", "/var/tmp/tierstore-loadtest-smoke", "--output-dir", "{dir}"),
-        ("summary.txt", "rounds.json", "planner.json", "calibration@r1.json"), None, 170, server=True,
-        also=("*.jsonl", "*.summary.json", "compare_*.png")),
+        QUICK_LOADTEST, LOADTEST_OUTPUTS, None, 170, server=True, also=LOADTEST_ALSO),
     Job("interference", "loadtest_tiers.py",
         ("--configs", "l2,l2+file,l2+tierstore", "--rounds", "3", "--num-clients", "16", "--num-rounds", "3",
          "--think-time-median", "20", "--request-rate", "0.4", "--output-length", "32", "--idle-s", "20",
          "--workdir", "/var/tmp/tierstore-interference", "--output-dir", "{dir}"),
-        ("--rounds", "2", "--configs", "l2,l2+tierstore", "--hidden", "64", "--layers", "2", "--num-clients", "2",
-         "--num-rounds", "2", "--request-length", "32", "--sub-question-input-length", "16", "--system-prompt-length", "32",
-         "--num-tenants", "1", "--output-length", "4", "--think-time-median", "1", "--request-rate", "2",
-         "--max-total-tokens", "2048", "--idle-s", "1", "--workdir", "/var/tmp/tierstore-interference-smoke",
-         "--output-dir", "{dir}"),
-        ("summary.txt", "rounds.json", "planner.json", "calibration@r1.json"), None, 45, server=True,
-        also=("*.jsonl", "*.summary.json", "compare_*.png")),
+        QUICK_LOADTEST, LOADTEST_OUTPUTS, None, 45, server=True, also=LOADTEST_ALSO),
     Job("suite", "suite_timing.py", ("--out", "{dir}/suite.json"), ("--quick", "--out", "{dir}/suite.json"),
         ("suite.json", "suite.txt"), "suite.txt", 25),
 )
