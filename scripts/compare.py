@@ -26,6 +26,12 @@ class Interval(TypedDict):
     n: int
 
 
+def _interval(median: float, boot: list[float], n: int) -> Interval:
+    """``median`` with the 2.5th and 97.5th percentiles of its bootstrap replicates ``boot``."""
+    boot.sort()
+    return {"median": median, "lo": boot[int(0.025 * len(boot))], "hi": boot[int(0.975 * len(boot)) - 1], "n": n}
+
+
 def median_interval(samples: Sequence[float], seed: int = SEED) -> Interval:
     """The median of ``samples`` with a 95% percentile-bootstrap interval (resampled with
     replacement, seeded so a rerun of the report prints the same interval)."""
@@ -33,9 +39,8 @@ def median_interval(samples: Sequence[float], seed: int = SEED) -> Interval:
         raise ValueError("no samples to take a median of")
     rnd = random.Random(seed)
     xs = list(samples)
-    meds = sorted(statistics.median(rnd.choices(xs, k=len(xs))) for _ in range(BOOTSTRAP))
-    return {"median": statistics.median(xs), "lo": meds[int(0.025 * BOOTSTRAP)],
-            "hi": meds[int(0.975 * BOOTSTRAP) - 1], "n": len(xs)}
+    return _interval(statistics.median(xs), [statistics.median(rnd.choices(xs, k=len(xs))) for _ in range(BOOTSTRAP)],
+                     len(xs))
 
 
 def paired_ratio(a: Sequence[float], b: Sequence[float], seed: int = SEED) -> Interval:
@@ -50,10 +55,9 @@ def unpaired_ratio(a: Sequence[float], b: Sequence[float], seed: int = SEED) -> 
     """median(a) / median(b) with an interval from resampling each side on its own (for
     samples that were not taken in matched pairs)."""
     rnd = random.Random(seed)
-    ratios = sorted(statistics.median(rnd.choices(list(a), k=len(a))) / statistics.median(rnd.choices(list(b), k=len(b)))
-                    for _ in range(BOOTSTRAP))
-    return {"median": statistics.median(a) / statistics.median(b), "lo": ratios[int(0.025 * BOOTSTRAP)],
-            "hi": ratios[int(0.975 * BOOTSTRAP) - 1], "n": min(len(a), len(b))}
+    boot = [statistics.median(rnd.choices(list(a), k=len(a))) / statistics.median(rnd.choices(list(b), k=len(b)))
+            for _ in range(BOOTSTRAP)]
+    return _interval(statistics.median(a) / statistics.median(b), boot, min(len(a), len(b)))
 
 
 def clustered_paired_ratio(groups: Sequence[tuple[Sequence[float], Sequence[float]]], seed: int = SEED) -> Interval:
@@ -66,10 +70,9 @@ def clustered_paired_ratio(groups: Sequence[tuple[Sequence[float], Sequence[floa
     if not ratios:
         raise ValueError("no pairs to take a median of")
     rnd = random.Random(seed)
-    meds = sorted(statistics.median([x for g in rnd.choices(ratios, k=len(ratios)) for x in rnd.choices(g, k=len(g))])
-                  for _ in range(BOOTSTRAP))
-    return {"median": statistics.median([x for g in ratios for x in g]), "lo": meds[int(0.025 * BOOTSTRAP)],
-            "hi": meds[int(0.975 * BOOTSTRAP) - 1], "n": len(ratios)}
+    boot = [statistics.median([x for g in rnd.choices(ratios, k=len(ratios)) for x in rnd.choices(g, k=len(g))])
+            for _ in range(BOOTSTRAP)]
+    return _interval(statistics.median([x for g in ratios for x in g]), boot, len(ratios))
 
 
 def differs(iv: Interval, around: float = 1.0) -> bool:
