@@ -93,6 +93,8 @@ JOBS: tuple[Job, ...] = (
          "--think-time-median", "20", "--request-rate", "0.4", "--output-length", "32", "--idle-s", "20",
          "--workdir", "/var/tmp/tierstore-interference", "--output-dir", "{dir}"),
         QUICK_LOADTEST, LOADTEST_OUTPUTS, None, 45, server=True, also=LOADTEST_ALSO),
+    Job("planner", "plan_validate.py", ("--output-dir", "{dir}"), ("--quick", "--output-dir", "{dir}"),
+        ("validation.json", "validation.txt"), None, 30, server=True, also=("*/*",)),
     Job("suite", "suite_timing.py", ("--out", "{dir}/suite.json"), ("--quick", "--out", "{dir}/suite.json"),
         ("suite.json", "suite.txt"), "suite.txt", 25),
 )

@@ -5,6 +5,7 @@ say a difference only where the interval excludes it."""
 
 from __future__ import annotations
 
+import ast
 import fnmatch
 import json
 import subprocess
@@ -27,7 +28,38 @@ UNREGENERATED = frozenset(f"scripts/results/loadtest/{name}" for name in (
     "compare_ttft_by_turn.png", "compare_ttft_cdf.png",
     *(f"{run}.{ext}" for run in ("no-hicache", "l2", "l2+file", "l2+tierstore") for ext in ("jsonl", "summary.json")),
 ))
-ENGINE = "sglang_tierstore"
+ENGINE_ENTRY = ROOT / "sglang_tierstore" / "__init__.py"  # what SGLang's server loads, lazily the adapter
+
+
+def _imports(path: Path) -> set[Path]:
+    """The repository's files that ``path`` imports anywhere in it (inside functions too):
+    the package's modules, and scripts' or tests' helpers by their bare names."""
+    found: set[Path] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                 [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+                 if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+        for name in names:
+            parts = name.split(".")
+            bases = [ROOT] if parts[0] == "sglang_tierstore" else [ROOT / "scripts", ROOT / "tests"]
+            for base in bases:
+                for cand in (base.joinpath(*parts).with_suffix(".py"), base.joinpath(*parts, "__init__.py")):
+                    if cand.is_file():
+                        found.add(cand)
+    return found
+
+
+def package_sources(script: str) -> list[str]:
+    """The package's files a job's results come from: every module the engine imports and
+    every one the job's script imports, directly or through its helpers (a planning module
+    no job imports is not the engine)."""
+    todo, seen = [ENGINE_ENTRY, ROOT / "scripts" / script], set()
+    while todo:
+        f = todo.pop()
+        if f not in seen:
+            seen.add(f)
+            todo.extend(_imports(f))
+    return sorted(str(f.relative_to(ROOT)) for f in seen if f.parts[len(ROOT.parts)] == "sglang_tierstore")
 
 
 SMOKES = list({(j.script, j.quick): j for j in reversed(reproduce.JOBS)}.values())[::-1]  # one per distinct smoke run
@@ -56,10 +88,12 @@ def test_every_script_has_a_smoke_run_that_finishes_and_stamps(job: reproduce.Jo
 def test_every_committed_result_is_a_jobs_output_and_stamped() -> None:
     """What lies under scripts/results/ is exactly what reproduce.py regenerates: each
     file is an output of its job's directory, names the clean commit and the command it came
-    from, and neither the engine nor the job's script has changed since that commit."""
+    from, and neither the engine, nor a package module the job's script imports, nor the
+    script itself has changed since that commit."""
     outputs = {f"scripts/results/{j.name}/{o}" for j in reproduce.JOBS for o in j.outputs}
     patterns = [f"scripts/results/{j.name}/{g}" for j in reproduce.JOBS for g in j.also]
     stray, unstamped, stale = [], [], []
+    sources = {j.script: package_sources(j.script) for j in reproduce.JOBS}
     for p in sorted((ROOT / "scripts" / "results").rglob("*")):
         rel = str(p.relative_to(ROOT))
         if not p.is_file() or rel in UNREGENERATED:
@@ -71,10 +105,21 @@ def test_every_committed_result_is_a_jobs_output_and_stamped() -> None:
             job = next(j for j in reproduce.JOBS if rel.startswith(f"scripts/results/{j.name}/"))
             if not s.get("commit") or s.get("dirty") is not False:
                 unstamped.append(rel)
-            elif subprocess.run(["git", "-C", str(ROOT), "diff", "--quiet", s["commit"], "HEAD", "--", ENGINE,
-                                 f"scripts/{job.script}"], check=False).returncode != 0:
-                stale.append(f"{rel}: the engine or scripts/{job.script} changed since {s['commit'][:12]}")
+            elif subprocess.run(["git", "-C", str(ROOT), "diff", "--quiet", s["commit"], "HEAD", "--",
+                                 *sources[job.script], f"scripts/{job.script}"], check=False).returncode != 0:
+                stale.append(f"{rel}: the engine, the package modules or scripts/{job.script} changed since "
+                             f"{s['commit'][:12]}")
     assert stray == [] and unstamped == [] and stale == []
+
+
+def test_the_sources_of_a_result_hold_the_engine_and_what_its_script_imports() -> None:
+    """The staleness check above is only as good as this list: the engine's modules are in
+    every job's, the planners only where a script imports them."""
+    bench = package_sources("bench_io.py")
+    assert {"sglang_tierstore/store.py", "sglang_tierstore/adapter.py", "sglang_tierstore/index/__init__.py"} <= set(bench)
+    assert "sglang_tierstore/plan.py" not in bench and "sglang_tierstore/predict.py" not in bench
+    assert "sglang_tierstore/plan.py" in package_sources("loadtest_tiers.py")
+    assert {"sglang_tierstore/plan.py", "sglang_tierstore/predict.py"} <= set(package_sources("plan_validate.py"))
 
 
 def test_a_job_that_fails_or_leaves_an_unstamped_output_fails_reproduce(tmp_path: Path) -> None:

@@ -1,0 +1,131 @@
+"""predict.py: the LRU order it keeps, its limits by hand, how pools and think times move the
+shares, the ranges one run lands in, bad inputs named, the CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from typing import Any
+
+import pytest
+
+from sglang_tierstore.plan import LogNormalGaps
+from sglang_tierstore.predict import SHARES, Workload, _Recency, main, predict
+
+BASE = Workload(users=24, arrival_rate=0.3, turns=3, first_tokens=512, later_tokens=256, output_tokens=32,
+                system_tokens=1024, tenants=4, think=LogNormalGaps(20.0, 0.8), prefill_s_per_token=0.0013,
+                decode_s_per_token=0.05, page_tokens=16)
+HOT = 4 * 1024
+
+
+def shares(w: Workload = BASE, **pools: Any) -> dict[str, float]:
+    return predict(w, **{"gpu_tokens": 8192, "host_tokens": 16384, "l3_tokens": None, "draws": 16, **pools}).shares
+
+
+def test_recency_matches_a_list_kept_in_lru_order() -> None:
+    rng = random.Random(7)
+    fast, order = _Recency(4000), []  # order: (key, tokens), least recent first
+    for _ in range(2000):
+        key, tokens = rng.randrange(60), rng.randrange(1, 500)
+        order = [e for e in order if e[0] != key] + [(key, tokens)]
+        fast.touch(key, tokens)
+        probe = rng.choice(order)[0]
+        keys = [k for k, _ in order]
+        assert fast.ahead(probe) == sum(t for _, t in order[keys.index(probe) + 1:])
+    assert fast.total == sum(t for _, t in order)
+
+
+def test_pools_that_hold_everything_serve_all_but_the_partial_pages_from_the_device() -> None:
+    s = shares(gpu_tokens=10**7, host_tokens=10**7)
+    # histories of 544 and 832 own tokens behind a 1024-token system prompt: all whole pages
+    assert s == pytest.approx({"device": 1.0, "host": 0.0, "storage": 0.0, "miss": 0.0})
+    odd = dataclasses.replace(BASE, first_tokens=500)  # 532 own tokens: 1556 in all, 1552 in whole pages
+    s = shares(odd, gpu_tokens=10**7, host_tokens=10**7)
+    assert s["miss"] > 0 and s["device"] + s["miss"] == pytest.approx(1.0)
+
+
+def test_a_device_left_only_the_system_prompts_sends_every_return_to_the_host() -> None:
+    s = shares(gpu_tokens=HOT, host_tokens=10**7)
+    assert s["device"] == 0 and s["host"] == pytest.approx(1.0)
+    s = shares(gpu_tokens=HOT, host_tokens=HOT, l3_tokens=10**7)
+    assert s["storage"] == pytest.approx(1.0)
+    assert shares(gpu_tokens=HOT, host_tokens=HOT)["miss"] == pytest.approx(1.0)
+
+
+def test_bigger_pools_and_shorter_thinks_keep_more_upstairs() -> None:
+    small, big = shares(gpu_tokens=8192), shares(gpu_tokens=16384)
+    assert 0 < small["device"] < big["device"]
+    assert shares(host_tokens=12288)["miss"] > shares(host_tokens=24576)["miss"]
+    quick = shares(dataclasses.replace(BASE, think=LogNormalGaps(5.0, 0.8)))
+    slow = shares(dataclasses.replace(BASE, think=LogNormalGaps(60.0, 0.8)))
+    assert quick["device"] > small["device"] > slow["device"]
+    with_l3 = shares(l3_tokens=10**7)
+    # what missed now comes from L3 (a little less of it: reading is faster than recomputing,
+    # so replies end sooner and less is touched ahead of a history)
+    assert with_l3["miss"] == 0 and with_l3["storage"] == pytest.approx(small["miss"], abs=0.03)
+
+
+def test_prediction_is_seeded_sums_to_one_and_its_ranges_hold_the_mean() -> None:
+    a = predict(BASE, gpu_tokens=8192, host_tokens=16384, l3_tokens=10**6, draws=32, seed=3)
+    assert a == predict(BASE, gpu_tokens=8192, host_tokens=16384, l3_tokens=10**6, draws=32, seed=3)
+    assert sum(a.shares.values()) == pytest.approx(1.0)
+    for k in SHARES:
+        lo, hi = a.share_ranges[k]
+        assert lo <= a.shares[k] <= hi
+    assert a.share_ranges["device"][1] > a.share_ranges["device"][0]  # one run of 48 returns is not the mean
+    assert a.hot_shared_tokens == HOT and a.in_flight_tokens > 0 and a.returns == 32 * 24 * 2
+    r = a.rates
+    assert r["placed_device"] >= r["placed_host"] >= r["placed_storage"] == r["computed"] > 0
+    assert r["touched"] > r["computed"]  # returning histories move ahead of older ones
+    assert a.windows_s["device"] == pytest.approx((8192 - HOT - a.in_flight_tokens) / r["touched"])
+    json.dumps(a.to_json())
+
+
+def test_backup_users_push_histories_down() -> None:
+    busy = dataclasses.replace(BASE, backup_rate=0.2, backup_tokens=2048)
+    assert shares(busy)["device"] < shares()["device"]
+
+
+@pytest.mark.parametrize(("change", "name"), [
+    ({"users": 0}, "users"), ({"turns": True}, "turns"), ({"arrival_rate": 0.0}, "arrival_rate"),
+    ({"first_tokens": -1}, "first_tokens"), ({"page_tokens": 0}, "page_tokens"),
+    ({"decode_s_per_token": float("inf")}, "decode_s_per_token"), ({"backup_rate": -1.0}, "backup_rate"),
+])
+def test_bad_workloads_name_the_field(change: dict[str, Any], name: str) -> None:
+    with pytest.raises(ValueError, match=f"^{name}: expected"):
+        dataclasses.replace(BASE, **change)
+
+
+def test_nothing_returning_and_bad_pools_are_named() -> None:
+    with pytest.raises(ValueError, match="^turns: expected more than one turn"):
+        predict(dataclasses.replace(BASE, turns=1), gpu_tokens=8192, host_tokens=16384, l3_tokens=None)
+    with pytest.raises(ValueError, match="^gpu_tokens"):
+        predict(BASE, gpu_tokens=-1, host_tokens=16384, l3_tokens=None)
+    with pytest.raises(ValueError, match="^draws"):
+        predict(BASE, gpu_tokens=8192, host_tokens=16384, l3_tokens=None, draws=0)
+
+
+CLI = ["--users", "24", "--arrival-rate", "0.3", "--turns", "3", "--first-tokens", "512", "--later-tokens", "256",
+       "--output-tokens", "32", "--system-tokens", "1024", "--tenants", "4", "--think-median", "20",
+       "--think-sigma", "0.8", "--prefill-ms-per-1k-tokens", "1300", "--decode-ms-per-token", "50",
+       "--page-tokens", "16", "--gpu-tokens", "8192", "--host-tokens", "16384", "--draws", "16"]
+
+
+def test_cli_table_and_json_agree_with_the_function(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*CLI, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["shares"] == pytest.approx(shares())
+    assert main([*CLI, "--l3-gb", "8", "--bytes-per-token", "12288"]) == 0
+    text = capsys.readouterr().out
+    assert text.splitlines()[0].split() == ["tier", "window", "share", "one", "run,", "95%"]
+    assert "storage" in text and "in flight" in text
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--l3-gb", "8"], "--l3-gb needs --bytes-per-token"), (["--users", "0"], "users: expected a positive integer"),
+])
+def test_cli_bad_arguments_are_named(extra: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main([*CLI, *extra])
+    assert e.value.code == 2 and message in capsys.readouterr().err
