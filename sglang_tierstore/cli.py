@@ -42,7 +42,7 @@ from typing import Any, Optional, Sequence
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from sglang_tierstore import inspect, plan
+from sglang_tierstore import inspect, plan, predict
 from sglang_tierstore.config import MAX_CAPACITY_GB, MIN_CAPACITY_GB, TierStoreConfig, describe_target, redact_url
 from sglang_tierstore.embedded import (
     embedded_running,
@@ -421,6 +421,7 @@ def _parser() -> argparse.ArgumentParser:
     r.set_defaults(run=_redis)
 
     sub.add_parser("plan", add_help=False, help="the residency planner (tierstore plan --help)")
+    sub.add_parser("predict", add_help=False, help="residency before the run, from the workload (tierstore predict --help)")
 
     e = sub.add_parser("exporter", parents=[joins], help="serve index-level gauges for Prometheus")
     e.add_argument("--port", type=int, required=True, help="port to serve /metrics on")
@@ -437,6 +438,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args_in = list(sys.argv[1:] if argv is None else argv)
     if args_in[:1] == ["plan"]:
         return plan.main(args_in[1:])
+    if args_in[:1] == ["predict"]:
+        return predict.main(args_in[1:])
     args = _parser().parse_args(args_in)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     try:

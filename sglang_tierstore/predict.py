@@ -158,8 +158,35 @@ class _Recency:
         return self.total - s
 
 
-def _replay(w: Workload, caps: Mapping[str, float], hot: int, rng: random.Random) -> list[dict[str, float]]:
-    """One draw of the workload through the tiers: a row per request (send time, tokens
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """When each user arrives and how long it thinks before each later turn, and when each
+    one-turn user arrives: one draw of a :class:`Workload`, or what a run measured."""
+
+    arrivals: tuple[float, ...]  # user i's first turn is sent at arrivals[i]
+    thinks: tuple[tuple[float, ...], ...]  # thinks[i][k]: before user i's turn k + 2
+    backups: tuple[float, ...] = ()
+
+    @staticmethod
+    def draw(w: Workload, rng: random.Random) -> Schedule:
+        """Poisson arrivals from 0, think times from ``w.think``; one-turn users until the
+        conversations' planned end (the last arrival plus median think times)."""
+        arrivals, t = [0.0], 0.0
+        for _ in range(w.users - 1):
+            t += rng.expovariate(w.arrival_rate)
+            arrivals.append(t)
+        thinks = tuple(tuple(w.think.quantile(rng.random()) for _ in range(w.turns - 1)) for _ in range(w.users))
+        horizon, backups, t = t + (w.turns - 1) * w.think.quantile(0.5), [], 0.0
+        while w.backup_rate:
+            t += rng.expovariate(w.backup_rate)
+            if t > horizon:
+                break
+            backups.append(t)
+        return Schedule(tuple(arrivals), thinks, tuple(backups))
+
+
+def _replay(w: Workload, caps: Mapping[str, float], hot: int, plan: Schedule) -> list[dict[str, float]]:
+    """One schedule of the workload through the tiers: a row per request (send time, tokens
     computed and touched, reloaded from host and from storage) and, for a return, what each
     tier served of the user's own history and the KV then in flight.
 
@@ -170,25 +197,12 @@ def _replay(w: Workload, caps: Mapping[str, float], hot: int, rng: random.Random
     again, grown by the turn's text and reply, when the reply ends; the device's capacity
     also leaves out the KV of the requests running at that moment.
     """
-    n_backup = 0
-    starts: list[tuple[float, int]] = []  # (send time, user) of each user's next turn
-    t = 0.0
-    for uid in range(w.users):
-        if uid:
-            t += rng.expovariate(w.arrival_rate)
-        starts.append((t, uid))
-    horizon = t + (w.turns - 1) * w.think.quantile(0.5)
-    t = 0.0
-    while w.backup_rate:
-        t += rng.expovariate(w.backup_rate)
-        if t > horizon:
-            break
-        starts.append((t, w.users + n_backup))
-        n_backup += 1
+    starts = [(t, uid) for uid, t in enumerate(plan.arrivals)]  # (send time, user) of each user's next turn
+    starts += [(t, w.users + i) for i, t in enumerate(plan.backups)]
     heapq.heapify(starts)
-    lru = _Recency(2 * (w.users * w.turns + n_backup))
-    turn = [0] * (w.users + n_backup)
-    own = [0] * len(turn)
+    lru = _Recency(2 * (w.users * w.turns + len(plan.backups)))
+    turn = [0] * len(starts)
+    own = [0] * len(starts)
     ends: list[tuple[float, int, int]] = []  # (time, user, tokens the request adds)
     running = 0
     rows: list[dict[str, float]] = []
@@ -200,7 +214,7 @@ def _replay(w: Workload, caps: Mapping[str, float], hot: int, rng: random.Random
             lru.touch(uid, own[uid])
             turn[uid] += 1
             if uid < w.users and turn[uid] < w.turns:
-                heapq.heappush(starts, (now + w.think.quantile(rng.random()), uid))
+                heapq.heappush(starts, (now + plan.thinks[uid][turn[uid] - 1], uid))
             continue
         now, uid = heapq.heappop(starts)
         backup = uid >= w.users
@@ -228,6 +242,29 @@ def _replay(w: Workload, caps: Mapping[str, float], hot: int, rng: random.Random
     return rows
 
 
+def _pools(gpu_tokens: float, host_tokens: float, l3_tokens: float | None) -> dict[str, float]:
+    _check(0 <= gpu_tokens < math.inf, "gpu_tokens", gpu_tokens, "a non-negative number of tokens")
+    _check(0 <= host_tokens < math.inf, "host_tokens", host_tokens, "a non-negative number of tokens")
+    _check(l3_tokens is None or l3_tokens >= 0, "l3_tokens", l3_tokens, "None or a non-negative number of tokens")
+    return {"device": gpu_tokens, "host": host_tokens, "storage": 0.0 if l3_tokens is None else l3_tokens}
+
+
+def _shares(rows: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    own = sum(r["own"] for r in rows)
+    return {k: sum(r[k] for r in rows) / own if own else 0.0 for k in SHARES}
+
+
+def replay(w: Workload, schedule: Schedule, *, gpu_tokens: float, host_tokens: float,
+           l3_tokens: float | None) -> dict[str, float]:
+    """The shares one schedule gives (what a run measured of arrivals and think times, say):
+    what :func:`predict` would say of that run had it known its draw."""
+    _check(len(schedule.arrivals) == w.users, "schedule.arrivals", len(schedule.arrivals), f"{w.users} users")
+    _check(all(len(t) >= w.turns - 1 for t in schedule.thinks) and len(schedule.thinks) == w.users,
+           "schedule.thinks", len(schedule.thinks), f"{w.users} users of {w.turns - 1} think times each")
+    rows = _replay(w, _pools(gpu_tokens, host_tokens, l3_tokens), min(w.tenants, w.users) * w.system_tokens, schedule)
+    return _shares([r for r in rows if "own" in r])
+
+
 def predict(
     w: Workload, *, gpu_tokens: float, host_tokens: float, l3_tokens: float | None, draws: int = 64, seed: int = 0,
 ) -> Prediction:
@@ -237,18 +274,15 @@ def predict(
     The tenants' system prompts are hot (every user of a tenant touches theirs): they take
     their tokens from the device's and the host's capacity and are left out of the shares.
     """
-    _check(0 <= gpu_tokens < math.inf, "gpu_tokens", gpu_tokens, "a non-negative number of tokens")
-    _check(0 <= host_tokens < math.inf, "host_tokens", host_tokens, "a non-negative number of tokens")
-    _check(l3_tokens is None or l3_tokens >= 0, "l3_tokens", l3_tokens, "None or a non-negative number of tokens")
+    caps = _pools(gpu_tokens, host_tokens, l3_tokens)
     _check(_count(draws) and draws > 0, "draws", draws, "a positive integer")
     hot = min(w.tenants, w.users) * w.system_tokens
-    caps = {"device": gpu_tokens, "host": host_tokens, "storage": 0.0 if l3_tokens is None else l3_tokens}
     served = dict.fromkeys((*SHARES, "own"), 0.0)
     busy = dict.fromkeys(("computed", "host", "storage", "touched", "span"), 0.0)
     in_flight, returns = 0.0, 0
     per_draw: list[dict[str, float]] = []
     for d in range(draws):
-        rows = _replay(w, caps, hot, random.Random(f"{seed}/{d}"))
+        rows = _replay(w, caps, hot, Schedule.draw(w, random.Random(f"{seed}/{d}")))
         ret = [r for r in rows if "own" in r]
         if not ret:
             continue
@@ -256,7 +290,7 @@ def predict(
         for k in served:
             served[k] += mine[k]
         if mine["own"]:
-            per_draw.append({k: mine[k] / mine["own"] for k in SHARES})
+            per_draw.append(_shares(ret))
         in_flight += sum(r["in_flight"] for r in ret)
         returns += len(ret)
         times = sorted(r["start_s"] for r in ret)

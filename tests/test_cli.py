@@ -88,7 +88,7 @@ def test_the_command_needs_neither_torch_nor_sglang_and_is_declared() -> None:
     assert scripts == {"tierstore": "sglang_tierstore.cli:main"}
     helped = python_m("--help")
     assert helped.returncode == 0
-    assert all(c in helped.stdout for c in ("stats", "check", "clear", "redis", "plan", "exporter"))
+    assert all(c in helped.stdout for c in ("stats", "check", "clear", "redis", "plan", "predict", "exporter"))
 
 
 def test_stats_shows_the_store_by_page_size_and_namespace(extra: dict[str, Any], filled: dict[str, int],
@@ -356,6 +356,14 @@ def test_plan_is_the_residency_planner(capsys: pytest.CaptureFixture[str]) -> No
                        "--prefix-tokens", "1000", "--recompute-ms-per-1k-tokens", "50", "--host-gbps", "10",
                        "--l3-gbps", "2", "--json")
     assert code == cli.OK and set(json.loads(out)["shares"]) == {"device", "host", "storage", "miss"}
+
+
+def test_predict_is_the_planner_from_the_workload(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "predict", "--users", "8", "--arrival-rate", "1", "--turns", "2", "--first-tokens", "64",
+                       "--later-tokens", "32", "--output-tokens", "8", "--system-tokens", "0", "--tenants", "1",
+                       "--think-median", "5", "--think-sigma", "0.5", "--prefill-ms-per-1k-tokens", "10",
+                       "--decode-ms-per-token", "1", "--gpu-tokens", "100000", "--host-tokens", "200000", "--json")
+    assert code == cli.OK and json.loads(out)["shares"]["device"] == 1.0
 
 
 def scrape(url: str) -> dict[str, float]:

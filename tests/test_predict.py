@@ -11,7 +11,15 @@ from typing import Any
 import pytest
 
 from sglang_tierstore.plan import LogNormalGaps
-from sglang_tierstore.predict import SHARES, Workload, _Recency, main, predict
+from sglang_tierstore.predict import (
+    SHARES,
+    Schedule,
+    Workload,
+    _Recency,
+    main,
+    predict,
+    replay,
+)
 
 BASE = Workload(users=24, arrival_rate=0.3, turns=3, first_tokens=512, later_tokens=256, output_tokens=32,
                 system_tokens=1024, tenants=4, think=LogNormalGaps(20.0, 0.8), prefill_s_per_token=0.0013,
@@ -80,6 +88,19 @@ def test_prediction_is_seeded_sums_to_one_and_its_ranges_hold_the_mean() -> None
     assert r["touched"] > r["computed"]  # returning histories move ahead of older ones
     assert a.windows_s["device"] == pytest.approx((8192 - HOT - a.in_flight_tokens) / r["touched"])
     json.dumps(a.to_json())
+
+
+def test_replaying_one_draw_is_predicting_from_it_alone() -> None:
+    pools = {"gpu_tokens": 8192, "host_tokens": 16384, "l3_tokens": 10**6}
+    one = replay(BASE, Schedule.draw(BASE, random.Random("5/0")), **pools)
+    assert one == pytest.approx(predict(BASE, draws=1, seed=5, **pools).shares)
+    # a measured schedule: everyone at once, coming back after 1 s, is all on the device
+    at_once = Schedule(tuple(0.0 for _ in range(24)), tuple((1.0, 1.0) for _ in range(24)))
+    assert replay(BASE, at_once, gpu_tokens=10**6, host_tokens=10**6, l3_tokens=None)["device"] == 1.0
+    with pytest.raises(ValueError, match="^schedule.arrivals"):
+        replay(BASE, Schedule((0.0,), ((1.0, 1.0),)), **pools)
+    with pytest.raises(ValueError, match="^schedule.thinks"):
+        replay(BASE, Schedule(at_once.arrivals, tuple((1.0,) for _ in range(24))), **pools)
 
 
 def test_backup_users_push_histories_down() -> None:
