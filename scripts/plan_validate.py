@@ -4,7 +4,7 @@
     python3 scripts/plan_validate.py --output-dir scripts/results/planner     # ~25 min on 2 cores
     python3 scripts/plan_validate.py --quick --output-dir /tmp/plan-smoke     # one tiny run
 
-For each variant (think times and host pool sizes that move the shares between tiers) it
+For each variant (think times and pool sizes that move the shares between tiers) it
 runs ``loadtest_tiers.py --configs l2+tierstore`` into ``<output-dir>/<variant>/``, then
 asks :func:`sglang_tierstore.predict.predict` what that run should measure, from what was
 known before the load started: the workload's arguments, the pools' sizes from the server's
@@ -45,7 +45,7 @@ WORKLOAD = {"num-clients": 48, "request-rate": 0.2, "num-rounds": 3, "request-le
 VARIANTS = {  # what differs per run
     "think10": {"think-time-median": 10.0},
     "think30": {"think-time-median": 30.0},
-    "think30-host1.25": {"think-time-median": 30.0, "hicache-ratio": 1.25},
+    "think30-gpu12k": {"think-time-median": 30.0, "max-total-tokens": 12288},
 }
 QUICK = {"num-clients": 3, "request-rate": 2.0, "num-rounds": 2, "request-length": 32, "sub-question-input-length": 16,
          "output-length": 4, "system-prompt-length": 32, "num-tenants": 1, "max-total-tokens": 2048,
