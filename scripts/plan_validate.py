@@ -14,8 +14,10 @@ as the time of one decode step). ``validation.json`` and ``validation.txt`` put 
 predicted share next to the measured one (token-weighted, a user's own history, as
 loadtest_tiers.py measures it), with the range in which 95% of single draws of the same
 workload land, and what the same model gives on the run's own draw (its measured arrivals
-and think times, :func:`~sglang_tierstore.predict.replay`): a gap beyond 10 points is
-explained when the run's own draw is within 10 points of what it measured.
+and send times, :func:`~sglang_tierstore.predict.replay`): a gap beyond 10 points is
+explained when the run's own draw is within 10 points of what it measured (``draw`` says
+how that draw differs from the mean one: its arrivals' span and median think time). Each
+variant has its own seed, so the three runs are three draws.
 """
 
 from __future__ import annotations
@@ -40,12 +42,12 @@ from sglang_tierstore.predict import Schedule, Workload, predict, replay
 TOLERANCE = 0.10  # the issue's bound on |predicted - measured| per tier
 WORKLOAD = {"num-clients": 48, "request-rate": 0.2, "num-rounds": 3, "request-length": 512,
             "sub-question-input-length": 256, "output-length": 32, "system-prompt-length": 1024,
-            "num-tenants": 4, "think-time-sigma": 0.8, "page-size": 16, "max-total-tokens": 8192, "hicache-ratio": 2.0,
+            "num-tenants": 4, "think-time-sigma": 0.8, "page-size": 16, "max-running-requests": 3, "max-total-tokens": 8192, "hicache-ratio": 2.0,
             "l3-gb": 8.0}
 VARIANTS = {  # what differs per run
-    "think10": {"think-time-median": 10.0},
-    "think30": {"think-time-median": 30.0},
-    "think30-gpu12k": {"think-time-median": 30.0, "max-total-tokens": 12288},
+    "think10": {"think-time-median": 10.0, "seed": 1},
+    "think30": {"think-time-median": 30.0, "seed": 2},  # each its own draw: three runs, not one draw thrice
+    "think30-gpu12k": {"think-time-median": 30.0, "max-total-tokens": 12288, "seed": 3},
 }
 QUICK = {"num-clients": 3, "request-rate": 2.0, "num-rounds": 2, "request-length": 32, "sub-question-input-length": 16,
          "output-length": 4, "system-prompt-length": 32, "num-tenants": 1, "max-total-tokens": 2048,
@@ -77,7 +79,7 @@ def validate(variant: str, opts: dict[str, float], out: str) -> dict[str, Any]:
         output_tokens=int(opts["output-length"]), system_tokens=int(opts["system-prompt-length"]),
         tenants=int(opts["num-tenants"]), think=LogNormalGaps(opts["think-time-median"], opts["think-time-sigma"]),
         prefill_s_per_token=calib["recompute_s"] / calib["prefix_tokens"], decode_s_per_token=calib["device_ttft_s"],
-        page_tokens=int(opts["page-size"]),
+        page_tokens=int(opts["page-size"]), max_running=int(opts["max-running-requests"]),
     )
     gpu = opts["max-total-tokens"]
     pools = {"gpu_tokens": gpu, "host_tokens": gpu * opts["hicache-ratio"], "l3_tokens": opts["l3-gb"] * GiB / bpt}
@@ -95,22 +97,28 @@ def validate(variant: str, opts: dict[str, float], out: str) -> dict[str, Any]:
                     "explained": abs(on_its_draw[t] - measured[t]) <= TOLERANCE}
     return {"workload": opts, "returns_measured": len(returning), "errors": sum(1 for r in rows if r["error"]),
             "prediction": pred.to_json(), "tiers": tiers,
-            "ok": all(v["within"] or v["explained"] for v in tiers.values())}
+            "draw": draw_stats(rows, w), "ok": all(v["within"] or v["explained"] for v in tiers.values())}
+
+
+def draw_stats(rows: list[dict[str, Any]], w: Workload) -> dict[str, float]:
+    """How this run's draw compares with the workload's mean one: the span of the users'
+    arrivals (expected (users - 1) / arrival rate) and the median think time (the gap since
+    the reply less the wait for a request slot)."""
+    first = [r["start_s"] for r in rows if r["turn"] == 1 and not r.get("backup")]
+    thinks = sorted(r["gap_s"] - r["wait_s"] for r in rows if r["turn"] > 1 and r["gap_s"] is not None)
+    return {"arrival_span_s": max(first) - min(first), "expected_arrival_span_s": (w.users - 1) / w.arrival_rate,
+            "think_median_s": thinks[len(thinks) // 2] if thinks else 0.0, "expected_think_median_s": w.think.quantile(0.5)}
 
 
 def measured_schedule(rows: list[dict[str, Any]], w: Workload) -> Schedule:
-    """The run's own draw, from its JSONL: when each user's first turn was sent, and each think
-    time (the gap since the previous reply less the wait for a free request slot); a turn
-    that failed thinks the workload's median."""
-    by = {(r["user"], r["turn"]): r for r in rows if not r.get("backup")}
-    arrivals = tuple(by[(u, 1)]["start_s"] for u in range(w.users))
-    median = w.think.quantile(0.5)
-
-    def think(u: int, turn: int) -> float:
-        r = by.get((u, turn))
-        return median if r is None or r["error"] or r["gap_s"] is None else max(0.0, r["gap_s"] - r["wait_s"])
-
-    return Schedule(arrivals, tuple(tuple(think(u, k) for k in range(2, w.turns + 1)) for u in range(w.users)))
+    """The run's own draw, from its JSONL: when each turn of each user was sent (every turn
+    the load generator sent has a row, failed ones too)."""
+    sent = {(r["user"], r["turn"]): r["start_s"] for r in rows if not r.get("backup")}
+    missing = [k for k in ((u, t) for u in range(w.users) for t in range(1, w.turns + 1)) if k not in sent]
+    if missing:
+        raise ValueError(f"the run has no row for (user, turn) {missing[:5]}: it did not finish")
+    return Schedule(tuple(sent[(u, 1)] for u in range(w.users)), (),
+                    sends=tuple(tuple(sent[(u, t)] for t in range(2, w.turns + 1)) for u in range(w.users)))
 
 
 def table(runs: dict[str, dict[str, Any]]) -> str:
@@ -120,8 +128,8 @@ def table(runs: dict[str, dict[str, Any]]) -> str:
     for name, r in runs.items():
         for i, (t, v) in enumerate(r["tiers"].items()):
             lo, hi = v["range95"]
-            verdict = ("within 10 points" if v["within"] else
-                       "beyond 10 points; the run's own draw within 10" if v["explained"] else "beyond 10 points, UNEXPLAINED")
+            verdict = ("within 10 points" if v["within"] else "beyond 10 points; the run's own draw within 10"
+                       if v["explained"] else "beyond 10 points, UNEXPLAINED")
             lines.append(f"{name if i == 0 else '':<{width}}{t:<9}{100 * v['predicted']:>9.0f}%{f'{100 * lo:.0f}-{100 * hi:.0f}%':>14}"
                          f"{100 * v['on_its_schedule']:>9.0f}%{100 * v['measured']:>9.0f}%{100 * v['gap']:>+6.0f}  {verdict}")
         p = r["prediction"]
@@ -131,6 +139,10 @@ def table(runs: dict[str, dict[str, Any]]) -> str:
                      f"{rates['touched']:.0f}; hot shared {p['hot_shared_tokens']:.0f} and in flight "
                      f"{p['in_flight_tokens']:.0f} tokens; windows device/host {win['device']:.0f}/{win['host']:.0f} s; "
                      f"{r['returns_measured']} returns measured")
+        d = r["draw"]
+        lines.append(f"{'':<{width}}this run's draw: users arrived over {d['arrival_span_s']:.0f} s (expected "
+                     f"{d['expected_arrival_span_s']:.0f} s), median think {d['think_median_s']:.1f} s (expected "
+                     f"{d['expected_think_median_s']:.1f} s)")
     return "\n".join(lines)
 
 

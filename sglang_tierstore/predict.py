@@ -26,7 +26,9 @@ import heapq
 import json
 import math
 import random
+import statistics
 import sys
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -49,10 +51,12 @@ class Workload:
     ``i`` belongs to tenant ``i % tenants``), then per turn new text (``first_tokens``, then
     ``later_tokens``) and the reply (``output_tokens``). Between a reply and the next turn the
     user thinks for a draw of ``think``. A request takes ``prefill_s_per_token`` per token it
-    computes plus ``decode_s_per_token`` per output token. ``backup_rate`` adds one-turn users
-    of ``backup_tokens`` with nothing shared, while the conversations are planned to last.
-    The cache holds whole pages of ``page_tokens`` (SGLang's ``--page-size``): a prompt's last
-    partial page is computed again on every return.
+    computes plus ``decode_s_per_token`` per reply token; at most ``max_running`` run at once
+    (SGLang's ``--max-running-requests``; 0: no limit), the others wait. ``backup_rate`` adds
+    one-turn users of ``backup_tokens`` (and a reply) with nothing shared, until the last
+    conversation turn is planned to be sent. The cache holds whole pages of ``page_tokens``
+    (SGLang's ``--page-size``) of every token but a reply's last: a history's last partial
+    page is computed again on every return.
     """
 
     users: int
@@ -69,12 +73,13 @@ class Workload:
     backup_rate: float = 0.0
     backup_tokens: int = 0
     page_tokens: int = 1
+    max_running: int = 0
 
     def __post_init__(self) -> None:
         for name in ("users", "turns", "tenants", "page_tokens"):
             v = getattr(self, name)
             _check(_count(v) and v > 0, name, v, "a positive integer")
-        for name in ("first_tokens", "later_tokens", "output_tokens", "system_tokens", "backup_tokens"):
+        for name in ("first_tokens", "later_tokens", "output_tokens", "system_tokens", "backup_tokens", "max_running"):
             v = getattr(self, name)
             _check(_count(v) and v >= 0, name, v, "a non-negative integer")
         _check(0 < self.arrival_rate < math.inf, "arrival_rate", self.arrival_rate, "a positive number of users/s")
@@ -160,23 +165,37 @@ class _Recency:
 
 @dataclass(frozen=True, slots=True)
 class Schedule:
-    """When each user arrives and how long it thinks before each later turn, and when each
-    one-turn user arrives: one draw of a :class:`Workload`, or what a run measured."""
+    """When each user's turns are sent, and when each one-turn user arrives: one draw of a
+    :class:`Workload`, or what a run measured.
 
-    arrivals: tuple[float, ...]  # user i's first turn is sent at arrivals[i]
-    thinks: tuple[tuple[float, ...], ...]  # thinks[i][k]: before user i's turn k + 2
+    ``arrivals[i]`` is user i's first turn. A later turn is sent ``thinks[i][k]`` after the
+    reply before it ends (a draw), or at ``sends[i][k]`` (a measurement: the model's reply
+    then only decides whether the turn waits for it).
+    """
+
+    arrivals: tuple[float, ...]
+    thinks: tuple[tuple[float, ...], ...]
     backups: tuple[float, ...] = ()
+    sends: tuple[tuple[float, ...], ...] | None = None
+
+    def __post_init__(self) -> None:
+        later = [*(t for ts in self.thinks for t in ts), *(t for ts in self.sends or () for t in ts)]
+        for name, xs in (("arrivals", self.arrivals), ("thinks", later), ("backups", self.backups)):
+            bad = next((x for x in xs if not 0 <= x < math.inf), None)  # also NaN
+            _check(bad is None, f"schedule.{name}", bad, "non-negative finite seconds")
 
     @staticmethod
     def draw(w: Workload, rng: random.Random) -> Schedule:
         """Poisson arrivals from 0, think times from ``w.think``; one-turn users until the
-        conversations' planned end (the last arrival plus median think times)."""
+        last conversation turn is planned to be sent (arrival plus think times), as
+        multiturn_loadtest.py draws them."""
         arrivals, t = [0.0], 0.0
         for _ in range(w.users - 1):
             t += rng.expovariate(w.arrival_rate)
             arrivals.append(t)
         thinks = tuple(tuple(w.think.quantile(rng.random()) for _ in range(w.turns - 1)) for _ in range(w.users))
-        horizon, backups, t = t + (w.turns - 1) * w.think.quantile(0.5), [], 0.0
+        horizon = max(a + sum(ts) for a, ts in zip(arrivals, thinks))
+        backups, t = [], 0.0
         while w.backup_rate:
             t += rng.expovariate(w.backup_rate)
             if t > horizon:
@@ -193,52 +212,72 @@ def _replay(w: Workload, caps: Mapping[str, float], hot: int, plan: Schedule) ->
     Every tier keeps the same LRU order (HiCache refreshes a node in every tier that holds
     it, and inclusive write-through puts every computed page in all of them), so what lies
     ahead of a history is the same everywhere and each tier serves the part of it that fits
-    under its capacity, oldest pages first. A history is touched when its turn is sent and
-    again, grown by the turn's text and reply, when the reply ends; the device's capacity
-    also leaves out the KV of the requests running at that moment.
+    under its capacity, oldest pages first. A history is touched when its turn is admitted
+    and again, grown by the turn's text and reply, when the reply ends; the device's capacity
+    also leaves out the KV of the requests running at that moment. At most ``w.max_running``
+    requests run at once; the others wait in order of sending. The cache holds KV of every
+    token but a reply's last (never fed back), in whole pages.
     """
-    starts = [(t, uid) for uid, t in enumerate(plan.arrivals)]  # (send time, user) of each user's next turn
-    starts += [(t, w.users + i) for i, t in enumerate(plan.backups)]
+    first = [(t, uid) for uid, t in enumerate(plan.arrivals)] + [(t, w.users + i) for i, t in enumerate(plan.backups)]
+    starts = list(first)  # (send time, user) of each user's next turn
     heapq.heapify(starts)
-    lru = _Recency(2 * (w.users * w.turns + len(plan.backups)))
-    turn = [0] * len(starts)
-    own = [0] * len(starts)
-    ends: list[tuple[float, int, int]] = []  # (time, user, tokens the request adds)
-    running = 0
+    lru = _Recency(2 * len(first) * w.turns)
+    turn = [0] * len(first)
+    own = [0] * len(first)
+    ends: list[tuple[float, int, int]] = []  # (time, user, tokens its history grows by)
+    waiting: deque[tuple[float, int]] = deque()
+    running = in_flight = 0
+    held: dict[int, int] = {}  # running user -> the KV its request holds
     rows: list[dict[str, float]] = []
-    while starts or ends:
-        if ends and (not starts or ends[0][0] <= starts[0][0]):
-            now, uid, new = heapq.heappop(ends)
-            running -= new
-            own[uid] += new
-            lru.touch(uid, own[uid])
-            turn[uid] += 1
-            if uid < w.users and turn[uid] < w.turns:
-                heapq.heappush(starts, (now + plan.thinks[uid][turn[uid] - 1], uid))
-            continue
-        now, uid = heapq.heappop(starts)
+
+    def admit(now: float, sent: float, uid: int) -> None:
+        nonlocal running, in_flight
         backup = uid >= w.users
         text = w.backup_tokens if backup else w.first_tokens if turn[uid] == 0 else w.later_tokens
-        reply = 0 if backup else w.output_tokens
-        row = {"start_s": now, "host": 0.0, "storage": 0.0, "touched": float(own[uid] + text + reply)}
+        reply = w.output_tokens
+        row = {"start_s": sent, "host": 0.0, "storage": 0.0, "touched": float(own[uid] + text + reply)}
         miss = 0.0
         if turn[uid]:
             ahead = lru.ahead(uid)
-            cap = {"device": caps["device"] - hot - running, "host": caps["host"] - hot, "storage": caps["storage"]}
-            whole = max(0, (w.system_tokens + own[uid]) // w.page_tokens * w.page_tokens - w.system_tokens)
+            cap = {"device": caps["device"] - hot - in_flight, "host": caps["host"] - hot, "storage": caps["storage"]}
+            kept = w.system_tokens + own[uid] - (1 if reply else 0)
+            whole = max(0, kept // w.page_tokens * w.page_tokens - w.system_tokens)
             got = 0.0
             for tier in TIERS:
                 reach = max(got, min(whole, max(0.0, cap[tier] - ahead)))
                 row[tier] = reach - got
                 got = reach
             miss = own[uid] - got
-            row.update(own=float(own[uid]), miss=miss, in_flight=float(running))
+            row.update(own=float(own[uid]), miss=miss, in_flight=float(in_flight))
             lru.touch(uid, own[uid])
         row["computed"] = text + reply + miss
         rows.append(row)
-        running += text + reply
+        running += 1
+        held[uid] = int(text + reply + miss)
+        in_flight += held[uid]
         e2e = (text + miss) * w.prefill_s_per_token + reply * w.decode_s_per_token
         heapq.heappush(ends, (now + e2e, uid, text + reply))
+
+    while starts or ends:
+        if ends and (not starts or ends[0][0] <= starts[0][0]):
+            now, uid, new = heapq.heappop(ends)
+            running -= 1
+            in_flight -= held.pop(uid)
+            own[uid] += new
+            lru.touch(uid, own[uid])
+            turn[uid] += 1
+            if uid < w.users and turn[uid] < w.turns:
+                k = turn[uid] - 1
+                at = max(now, plan.sends[uid][k]) if plan.sends else now + plan.thinks[uid][k]
+                heapq.heappush(starts, (at, uid))
+            if waiting:
+                admit(now, *waiting.popleft())
+            continue
+        now, uid = heapq.heappop(starts)
+        if w.max_running and running >= w.max_running:
+            waiting.append((now, uid))
+            continue
+        admit(now, now, uid)
     return rows
 
 
@@ -254,15 +293,30 @@ def _shares(rows: Sequence[Mapping[str, float]]) -> dict[str, float]:
     return {k: sum(r[k] for r in rows) / own if own else 0.0 for k in SHARES}
 
 
+def _returning(w: Workload) -> None:
+    _check(w.turns > 1, "turns", w.turns, "more than one turn per user (nothing returns)")
+    _check(w.first_tokens + w.output_tokens > 0, "first_tokens", w.first_tokens,
+           "a first turn that leaves a history (text or reply tokens)")
+
+
 def replay(w: Workload, schedule: Schedule, *, gpu_tokens: float, host_tokens: float,
            l3_tokens: float | None) -> dict[str, float]:
-    """The shares one schedule gives (what a run measured of arrivals and think times, say):
+    """The shares one schedule gives (what a run measured of arrivals and send times, say):
     what :func:`predict` would say of that run had it known its draw."""
+    _returning(w)
     _check(len(schedule.arrivals) == w.users, "schedule.arrivals", len(schedule.arrivals), f"{w.users} users")
-    _check(all(len(t) >= w.turns - 1 for t in schedule.thinks) and len(schedule.thinks) == w.users,
-           "schedule.thinks", len(schedule.thinks), f"{w.users} users of {w.turns - 1} think times each")
+    name, later = ("schedule.thinks", schedule.thinks) if schedule.sends is None else ("schedule.sends", schedule.sends)
+    _check(len(later) == w.users and all(len(t) >= w.turns - 1 for t in later), name, len(later),
+           f"{w.users} users of {w.turns - 1} later turns each")
     rows = _replay(w, _pools(gpu_tokens, host_tokens, l3_tokens), min(w.tenants, w.users) * w.system_tokens, schedule)
     return _shares([r for r in rows if "own" in r])
+
+
+def _middle95(xs: list[float]) -> tuple[float, float]:
+    if len(xs) < 2:
+        return (xs[0], xs[0]) if xs else (0.0, 0.0)
+    q = statistics.quantiles(xs, n=40, method="inclusive")
+    return q[0], q[-1]
 
 
 def predict(
@@ -276,6 +330,7 @@ def predict(
     """
     caps = _pools(gpu_tokens, host_tokens, l3_tokens)
     _check(_count(draws) and draws > 0, "draws", draws, "a positive integer")
+    _returning(w)
     hot = min(w.tenants, w.users) * w.system_tokens
     served = dict.fromkeys((*SHARES, "own"), 0.0)
     busy = dict.fromkeys(("computed", "host", "storage", "touched", "span"), 0.0)
@@ -284,36 +339,27 @@ def predict(
     for d in range(draws):
         rows = _replay(w, caps, hot, Schedule.draw(w, random.Random(f"{seed}/{d}")))
         ret = [r for r in rows if "own" in r]
-        if not ret:
-            continue
-        mine = {k: sum(r[k] for r in ret) for k in served}
         for k in served:
-            served[k] += mine[k]
-        if mine["own"]:
-            per_draw.append(_shares(ret))
+            served[k] += sum(r[k] for r in ret)
+        per_draw.append(_shares(ret))
         in_flight += sum(r["in_flight"] for r in ret)
         returns += len(ret)
         times = sorted(r["start_s"] for r in ret)
         lo, hi = times[len(times) // 10], times[len(times) * 9 // 10]
+        if hi <= lo:  # too few returns for a busy period: the whole replay
+            lo, hi = min(r["start_s"] for r in rows), max(r["start_s"] for r in rows)
         busy["span"] += hi - lo
         for r in rows:
             if lo <= r["start_s"] <= hi:
                 for k in ("computed", "host", "storage", "touched"):
                     busy[k] += r[k]
-    _check(returns > 0, "turns", w.turns, "more than one turn per user (nothing returns)")
-    shares = {k: served[k] / max(served["own"], 1e-9) for k in SHARES}
-    ranges = {}
-    for k in SHARES:
-        xs = sorted(d[k] for d in per_draw) or [0.0]
-        ranges[k] = (xs[int(0.025 * (len(xs) - 1))], xs[math.ceil(0.975 * (len(xs) - 1))])
-    span = max(busy["span"], 1e-9)
-    rates = {
-        "computed": busy["computed"] / span,
-        "placed_device": (busy["computed"] + busy["host"] + busy["storage"]) / span,
-        "placed_host": (busy["computed"] + busy["storage"]) / span,
-        "placed_storage": busy["computed"] / span,
-        "touched": busy["touched"] / span,
-    }
+    shares = {k: served[k] / served["own"] if served["own"] else 0.0 for k in SHARES}
+    ranges = {k: _middle95(sorted(d[k] for d in per_draw)) for k in SHARES}
+    span = busy["span"]
+    rates = {k: (v / span if span > 0 else 0.0) for k, v in (
+        ("computed", busy["computed"]), ("placed_device", busy["computed"] + busy["host"] + busy["storage"]),
+        ("placed_host", busy["computed"] + busy["storage"]), ("placed_storage", busy["computed"]),
+        ("touched", busy["touched"]))}
     mean_in_flight = in_flight / returns
     usable = {"device": max(0.0, gpu_tokens - hot - mean_in_flight), "host": max(0.0, host_tokens - hot),
               "storage": caps["storage"]}
@@ -364,6 +410,7 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--backup-rate", type=float, default=0.0, help="one-turn users per second with nothing shared")
     w.add_argument("--backup-tokens", type=int, default=0, help="tokens of a one-turn user's prompt")
     w.add_argument("--page-tokens", type=int, default=1, help="SGLang --page-size")
+    w.add_argument("--max-running", type=int, default=0, help="SGLang --max-running-requests (default 0: no limit)")
     c = p.add_argument_group("pools")
     c.add_argument("--gpu-tokens", type=float, required=True, help="device KV pool, tokens")
     c.add_argument("--host-tokens", type=float, required=True, help="host KV pool, tokens")
@@ -387,6 +434,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             tenants=a.tenants, think=LogNormalGaps(a.think_median, a.think_sigma),
             prefill_s_per_token=a.prefill_ms_per_1k_tokens / 1e6, decode_s_per_token=a.decode_ms_per_token / 1e3,
             backup_rate=a.backup_rate, backup_tokens=a.backup_tokens, page_tokens=a.page_tokens,
+            max_running=a.max_running,
         )
         result = predict(w, gpu_tokens=a.gpu_tokens, host_tokens=a.host_tokens,
                          l3_tokens=None if a.l3_gb is None else a.l3_gb * GiB / a.bytes_per_token,

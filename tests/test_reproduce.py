@@ -20,46 +20,72 @@ import compare  # noqa: E402
 import provenance  # noqa: E402
 import reproduce  # noqa: E402
 
-# Files under scripts/results/ from before stamps, still quoted: the four-configuration load
-# test of b823e0f (one run each). They go when reproduce.py regenerates the job; the list may
-# only shrink.
-UNREGENERATED = frozenset(f"scripts/results/loadtest/{name}" for name in (
-    "calibration.json", "planner.json", "summary.txt", "compare_hits_over_time.png", "compare_residency.png",
-    "compare_ttft_by_turn.png", "compare_ttft_cdf.png",
-    *(f"{run}.{ext}" for run in ("no-hicache", "l2", "l2+file", "l2+tierstore") for ext in ("jsonl", "summary.json")),
-))
 ENGINE_ENTRY = ROOT / "sglang_tierstore" / "__init__.py"  # what SGLang's server loads, lazily the adapter
+CPU_HARNESS = ROOT / "tests" / "cpu_harness"  # the CPU server's flags, model and the shim it imports
 
 
 def _imports(path: Path) -> set[Path]:
     """The repository's files that ``path`` imports anywhere in it (inside functions too):
-    the package's modules, and scripts' or tests' helpers by their bare names."""
+    the package's modules (relative imports resolved), and scripts' or tests' helpers by
+    their bare names."""
     found: set[Path] = set()
+    package = path.parent.relative_to(ROOT).parts
     for node in ast.walk(ast.parse(path.read_text())):
-        names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                 [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
-                 if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join([*package[:len(package) - node.level + 1], *([base] if base else [])])
+            names = [base, *(f"{base}.{a.name}" for a in node.names)]
+        else:
+            continue
         for name in names:
-            parts = name.split(".")
+            parts = [p for p in name.split(".") if p]
+            if not parts:
+                continue
             bases = [ROOT] if parts[0] == "sglang_tierstore" else [ROOT / "scripts", ROOT / "tests"]
-            for base in bases:
-                for cand in (base.joinpath(*parts).with_suffix(".py"), base.joinpath(*parts, "__init__.py")):
+            for base_dir in bases:
+                for cand in (base_dir.joinpath(*parts).with_suffix(".py"), base_dir.joinpath(*parts, "__init__.py")):
                     if cand.is_file():
                         found.add(cand)
     return found
 
 
-def package_sources(script: str) -> list[str]:
-    """The package's files a job's results come from: every module the engine imports and
-    every one the job's script imports, directly or through its helpers (a planning module
-    no job imports is not the engine)."""
-    todo, seen = [ENGINE_ENTRY, ROOT / "scripts" / script], set()
+# Earlier versions of a file whose outputs are the same as the file's now (shown by
+# test_equivalent_versions_give_the_same_outputs): a result made with one is not stale for
+# the change. Only refactors go here; a change in what a file computes never does.
+EQUIVALENT = {"scripts/compare.py": ("a65415b",)}  # 4ada918 gave the three bootstraps one percentile step
+
+
+def _show(commit: str, path: str) -> str:
+    return subprocess.run(["git", "-C", str(ROOT), "show", f"{commit}:{path}"], capture_output=True, text=True,
+                          check=True).stdout
+
+
+def changed_since(commit: str, files: list[str]) -> list[str]:
+    """The files of ``files`` that differ between ``commit`` and HEAD, less those whose
+    version at ``commit`` is one of their EQUIVALENT versions."""
+    out = subprocess.run(["git", "-C", str(ROOT), "diff", "--name-only", commit, "HEAD", "--", *files],
+                         capture_output=True, text=True, check=True).stdout.split()
+    return [f for f in out if not any(_show(commit, f) == _show(c, f) for c in EQUIVALENT.get(f, ()))]
+
+
+def sources(job: reproduce.Job) -> list[str]:
+    """The files a job's results come from: the job's script and everything it imports,
+    directly or through its helpers (scripts/, tests/), the engine's modules with the Lua the
+    index runs, and for a job that starts SGLang servers the CPU harness they run in (a
+    planning module no job imports is not the engine)."""
+    todo, seen = [ENGINE_ENTRY, ROOT / "scripts" / job.script], set()
     while todo:
         f = todo.pop()
         if f not in seen:
             seen.add(f)
             todo.extend(_imports(f))
-    return sorted(str(f.relative_to(ROOT)) for f in seen if f.parts[len(ROOT.parts)] == "sglang_tierstore")
+    seen |= set((ROOT / "sglang_tierstore").rglob("*.lua"))
+    if job.server:
+        seen |= {f for f in CPU_HARNESS.rglob("*") if f.is_file() and "__pycache__" not in f.parts}
+    return sorted(str(f.relative_to(ROOT)) for f in seen)
 
 
 SMOKES = list({(j.script, j.quick): j for j in reversed(reproduce.JOBS)}.values())[::-1]  # one per distinct smoke run
@@ -88,15 +114,14 @@ def test_every_script_has_a_smoke_run_that_finishes_and_stamps(job: reproduce.Jo
 def test_every_committed_result_is_a_jobs_output_and_stamped() -> None:
     """What lies under scripts/results/ is exactly what reproduce.py regenerates: each
     file is an output of its job's directory, names the clean commit and the command it came
-    from, and neither the engine, nor a package module the job's script imports, nor the
-    script itself has changed since that commit."""
+    from, and no file it came from (:func:`sources`) has changed since that commit."""
     outputs = {f"scripts/results/{j.name}/{o}" for j in reproduce.JOBS for o in j.outputs}
     patterns = [f"scripts/results/{j.name}/{g}" for j in reproduce.JOBS for g in j.also]
     stray, unstamped, stale = [], [], []
-    sources = {j.script: package_sources(j.script) for j in reproduce.JOBS}
+    deps = {j.name: sources(j) for j in reproduce.JOBS}
     for p in sorted((ROOT / "scripts" / "results").rglob("*")):
         rel = str(p.relative_to(ROOT))
-        if not p.is_file() or rel in UNREGENERATED:
+        if not p.is_file():
             continue
         if rel not in outputs and not any(fnmatch.fnmatch(rel, g) for g in patterns):
             stray.append(rel)
@@ -105,21 +130,47 @@ def test_every_committed_result_is_a_jobs_output_and_stamped() -> None:
             job = next(j for j in reproduce.JOBS if rel.startswith(f"scripts/results/{j.name}/"))
             if not s.get("commit") or s.get("dirty") is not False:
                 unstamped.append(rel)
-            elif subprocess.run(["git", "-C", str(ROOT), "diff", "--quiet", s["commit"], "HEAD", "--",
-                                 *sources[job.script], f"scripts/{job.script}"], check=False).returncode != 0:
-                stale.append(f"{rel}: the engine, the package modules or scripts/{job.script} changed since "
-                             f"{s['commit'][:12]}")
+            elif changed := changed_since(s["commit"], deps[job.name]):
+                stale.append(f"{rel}: {', '.join(changed)} changed since {s['commit'][:12]}")
     assert stray == [] and unstamped == [] and stale == []
 
 
 def test_the_sources_of_a_result_hold_the_engine_and_what_its_script_imports() -> None:
-    """The staleness check above is only as good as this list: the engine's modules are in
-    every job's, the planners only where a script imports them."""
-    bench = package_sources("bench_io.py")
-    assert {"sglang_tierstore/store.py", "sglang_tierstore/adapter.py", "sglang_tierstore/index/__init__.py"} <= set(bench)
-    assert "sglang_tierstore/plan.py" not in bench and "sglang_tierstore/predict.py" not in bench
-    assert "sglang_tierstore/plan.py" in package_sources("loadtest_tiers.py")
-    assert {"sglang_tierstore/plan.py", "sglang_tierstore/predict.py"} <= set(package_sources("plan_validate.py"))
+    """The staleness check above is only as good as this list: the engine's modules and its
+    Lua are in every job's, helpers where a script imports them, the planners only there."""
+    bench = set(sources(reproduce.job_named("bench_io")))
+    assert {"sglang_tierstore/store.py", "sglang_tierstore/adapter.py", "sglang_tierstore/index/__init__.py",
+            "sglang_tierstore/space/lua/writes.lua", "scripts/bench_io.py", "scripts/compare.py", "tests/pools.py"} <= bench
+    assert not {"sglang_tierstore/plan.py", "sglang_tierstore/predict.py", "sglang_tierstore/cli.py"} & bench
+    load = set(sources(reproduce.job_named("loadtest")))
+    assert {"sglang_tierstore/plan.py", "scripts/multiturn_loadtest.py", "tests/cpu_harness/server.py",
+            "tests/cpu_harness/shim/sitecustomize.py"} <= load
+    assert {"sglang_tierstore/predict.py", "scripts/loadtest_tiers.py"} <= set(sources(reproduce.job_named("planner")))
+
+
+def test_equivalent_versions_give_the_same_outputs(tmp_path: Path) -> None:
+    """EQUIVALENT's claim, checked: each earlier version, loaded from git, gives every public
+    function's output the file gives now, on seeded samples of several shapes."""
+    import importlib.util
+
+    rng = __import__("random").Random(5)
+    samples = [[rng.lognormvariate(0, s) for _ in range(n)] for n, s in ((5, 0.1), (12, 0.5), (40, 1.0))]
+    for path, commits in EQUIVALENT.items():
+        for c in commits:
+            (tmp_path / f"old_{c}.py").write_text(_show(c, path))
+            spec = importlib.util.spec_from_file_location(f"old_{c}", tmp_path / f"old_{c}.py")
+            assert spec and spec.loader
+            old = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(old)
+            for a in samples:
+                b = [x * rng.uniform(0.8, 1.3) for x in a]
+                assert old.median_interval(a) == compare.median_interval(a)
+                assert old.paired_ratio(a, b) == compare.paired_ratio(a, b)
+                assert old.unpaired_ratio(a, b[:-1]) == compare.unpaired_ratio(a, b[:-1])
+                groups = [(a[i::3], b[i::3]) for i in range(3)]
+                assert old.clustered_paired_ratio(groups) == compare.clustered_paired_ratio(groups)
+                iv = compare.paired_ratio(a, b)
+                assert old.say(iv) == compare.say(iv) and old.differs(iv) == compare.differs(iv)
 
 
 def test_a_job_that_fails_or_leaves_an_unstamped_output_fails_reproduce(tmp_path: Path) -> None:
