@@ -268,6 +268,35 @@ def planner_table() -> str:
     return "\n" + "\n".join(rows) + "\n"
 
 
+def validation_table() -> str:
+    """loadtest.md's planner validation: per run and tier, predicted (95% of draws), on the
+    run's own draw, and measured."""
+    runs = load("planner/validation.json")["runs"]
+    tiers = ("device", "host", "storage", "miss")
+    rows = ["| run (think median, device pool) | " + " | ".join(tiers) + " |", "|---|" + "---|" * len(tiers)]
+    for name, r in runs.items():
+        w = r["workload"]
+        cells = []
+        for t in tiers:
+            v = r["tiers"][t]
+            lo, hi = v["range95"]
+            cells.append(f"{v['predicted']:.0%} ({lo:.0%}-{hi:.0%}) / {v['on_its_schedule']:.0%} / {v['measured']:.0%}")
+        rows.append(f"| {name} ({w['think-time-median']:g} s, {w['max-total-tokens']:,} tokens) | " + " | ".join(cells) + " |")
+    return "\n" + "\n".join(rows) + "\n"
+
+
+def validation_count(key: str) -> Callable[[], str]:
+    """How many of the validation's tier shares are within 10 points (``within``), or, of
+    those that are not, within 10 points on the run's own draw (``explained``)."""
+    def value() -> str:
+        cells = [v for r in load("planner/validation.json")["runs"].values() for v in r["tiers"].values()]
+        if key == "within":
+            return f"{sum(1 for v in cells if v['within'])} of {len(cells)}"
+        beyond = [v for v in cells if not v["within"]]
+        return f"{sum(1 for v in beyond if v['explained'])} of {len(beyond)}"
+    return value
+
+
 def calibration(key: str) -> Callable[[], str]:
     """From the load test's calibration: a TTFT (ms) or a ratio of them."""
     def value() -> str:
@@ -456,6 +485,9 @@ FIGURES: dict[str, Callable[[], str]] = {
     "loadtest.vs_file.first": loadtest_paired("l2+tierstore", "l2+file", first=True),
     "loadtest.vs_file.itl": decode_itl("l2+tierstore", "l2+file"),
     "loadtest.planner": planner_table,
+    "planner.validation": validation_table,
+    "planner.within": validation_count("within"),
+    "planner.explained": validation_count("explained"),
     "interference.itl.file": pair("interference", "l2+tierstore / l2+file: decode inter-token latency"),
     "interference.itl.l2": pair("interference", "l2+tierstore / l2: decode inter-token latency"),
     "interference.first.file": pair("interference", "l2+tierstore / l2+file: first-turn TTFT"),
