@@ -88,7 +88,7 @@ JOBS: tuple[Job, ...] = (
     Job("loadtest", "loadtest_tiers.py",
         ("--rounds", "3", "--num-clients", "20", "--num-rounds", "3", "--workdir", "/var/tmp/tierstore-loadtest",
          "--output-dir", "{dir}"),
-        QUICK_LOADTEST, LOADTEST_OUTPUTS, None, 80, server=True, also=LOADTEST_ALSO),
+        QUICK_LOADTEST, LOADTEST_OUTPUTS, None, 105, server=True, also=LOADTEST_ALSO),
     Job("interference", "loadtest_tiers.py",
         ("--configs", "l2,l2+file,l2+tierstore", "--rounds", "3", "--num-clients", "16", "--num-rounds", "3",
          "--think-time-median", "20", "--request-rate", "0.4", "--output-length", "32", "--idle-s", "20",
