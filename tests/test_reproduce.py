@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import ast
 import fnmatch
+import importlib.util
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -159,9 +161,7 @@ def test_the_sources_of_a_result_hold_the_engine_and_what_its_script_imports() -
 def test_equivalent_versions_give_the_same_outputs(tmp_path: Path) -> None:
     """EQUIVALENT's claim, checked: each earlier version, loaded from git, gives every public
     function's output the file gives now, on seeded samples of several shapes."""
-    import importlib.util
-
-    rng = __import__("random").Random(5)
+    rng = random.Random(5)
     samples = [[rng.lognormvariate(0, s) for _ in range(n)] for n, s in ((5, 0.1), (12, 0.5), (40, 1.0))]
     for path, commits in EQUIVALENT.items():
         for c in commits:
