@@ -1,10 +1,11 @@
 """Parallel page I/O: runs one function per item over a pool of threads, reads first.
 
 preadv/pwritev release the GIL, so ``threads`` workers keep that many requests in
-flight (the queue depth NVMe needs). The caller's thread stays free while the workers
-do I/O: it checksums pages (xxhash releases the GIL too) as they are written or as they
-arrive, so hashing never takes a request out of flight. A failure stays with its item:
-an outcome is the function's value or the exception it raised.
+flight (the queue depth NVMe needs). The caller's thread waits once per batch, woken
+when its last item is done (or at its deadline), not once per item: it shares the GIL
+and the cores with SGLang's scheduler, so what an item needs beside its I/O (the
+pages' checksums) runs in the item, on the worker. A failure stays with its item: an
+outcome is the function's value or the exception it raised.
 
 Scheduling. SGLang prefetches (reads a waiting request needs before its first token)
 and backs up (write-through of pages already in host memory) on different threads at
@@ -41,7 +42,7 @@ queue, read or write.
 
 Giving up on a disk that stops answering: a preadv in a thread cannot be cancelled,
 and a late one would land wherever it was told to, long after the caller has moved
-on. A caller that may stop waiting (``as_completed(deadline)``, then ``cancel``)
+on. A caller that may stop waiting (``wait(deadline)``, then ``cancel``)
 therefore has its items read into :class:`Staging` memory owned by the I/O thread
 and copied into the caller's memory through a :class:`Gate`, which the caller shuts
 before it returns: a read that finishes after that lands in the thread's own buffer,
@@ -55,11 +56,10 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-import queue
 import threading
 import time as mod_time
 from collections import deque
-from typing import Callable, Generator, Generic, Optional, Sequence, TypeVar, Union
+from typing import Callable, Generic, Optional, Sequence, TypeVar, Union
 
 A = TypeVar("A")
 R = TypeVar("R")
@@ -94,9 +94,9 @@ class Batch(Generic[R]):
         # and ranges a write handed back to let reads go first
         self._next = 0
         self._returned: list[tuple[int, int]] = []
-        self._done: queue.SimpleQueue[tuple[int, Outcome[R]]] = queue.SimpleQueue()
         self._cancelled = False
-        self._idle = threading.Condition()  # guards _active, and _cancelled once settling
+        self._cond = threading.Condition()  # guards _outcomes and _active, and _cancelled once settling
+        self._outcomes: dict[int, Outcome[R]] = {}
         self._active = 0  # threads inside _run
 
     def _unclaimed(self) -> bool:
@@ -113,7 +113,7 @@ class Batch(Generic[R]):
     def _run(self, first: int, stop: int, give_way: Optional[Callable[[], bool]] = None) -> int:
         """Run items [first, stop); return where it stopped: ``stop``, or the first item
         not run because ``give_way()`` said so (asked between items)."""
-        with self._idle:
+        with self._cond:
             self._active += 1
         try:
             for k in range(first, stop):
@@ -125,33 +125,35 @@ class Batch(Generic[R]):
                     out: Outcome[R] = self._fn(self._items[k])
                 except BaseException as e:  # kept per item (the caller decides what it means),
                     out = e  # and always reported: the caller waits for every item
-                self._done.put((k, out))
+                with self._cond:
+                    self._outcomes[k] = out
+                    if len(self._outcomes) == self._n:
+                        self._cond.notify_all()
             return stop
         finally:
-            with self._idle:
+            with self._cond:
                 self._active -= 1
                 if not self._active:
-                    self._idle.notify_all()
+                    self._cond.notify_all()
 
-    def as_completed(self, deadline: Optional[float] = None) -> Generator[tuple[int, Outcome[R]], None, None]:
-        """(item position, outcome) of every item, in completion order; blocks, at most
-        until ``deadline`` (``time.monotonic()``) if one is given: items not done by
-        then are not yielded."""
-        for _ in range(self._n):
+    def wait(self, deadline: Optional[float] = None) -> dict[int, Outcome[R]]:
+        """Item position -> outcome of the items done, once every item is, or at
+        ``deadline`` (``time.monotonic()``) if one is given: items not done by then are
+        left out. One wake-up of the caller, however many items."""
+        with self._cond:
             if deadline is None:
-                yield self._done.get()
-                continue
-            try:
-                yield self._done.get(timeout=max(0.0, deadline - mod_time.monotonic()))
-            except queue.Empty:
-                return
+                self._cond.wait_for(self._all_done)
+            else:
+                self._cond.wait_for(self._all_done, max(0.0, deadline - mod_time.monotonic()))
+            return dict(self._outcomes)
+
+    def _all_done(self) -> bool:
+        return len(self._outcomes) == self._n
 
     def results(self) -> list[Outcome[R]]:
         """Every outcome, in item order, once all are done."""
-        out: list[Outcome[R]] = [None] * self._n  # type: ignore[list-item]
-        for k, o in self.as_completed():
-            out[k] = o
-        return out
+        done = self.wait()
+        return [done[k] for k in range(self._n)]
 
     def cancel(self) -> None:
         """Items not started yet never start (a running one cannot be stopped)."""
@@ -171,11 +173,11 @@ class Batch(Generic[R]):
         late preadv into host memory SGLang has reused. Without a deadline unbounded, as
         waiting for every item is; a caller that may give up on a stalled disk gives one
         (or cancels instead)."""
-        with self._idle:
+        with self._cond:
             self._cancelled = True
             if deadline is None:
-                return self._idle.wait_for(lambda: not self._active)
-            return self._idle.wait_for(lambda: not self._active, max(0.0, deadline - mod_time.monotonic()))
+                return self._cond.wait_for(lambda: not self._active)
+            return self._cond.wait_for(lambda: not self._active, max(0.0, deadline - mod_time.monotonic()))
 
 
 class Gate:

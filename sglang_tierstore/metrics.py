@@ -21,7 +21,7 @@ import resource
 import threading
 import time as mod_time
 from collections import Counter as _Counter
-from typing import Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Union
 
 from prometheus_client import Counter, Histogram
 
@@ -65,26 +65,37 @@ class Metrics:
         if unknown:
             raise ValueError(f"unknown rank labels {sorted(unknown)}; known: {', '.join(RANK_LABELS)}")
         self.rank: dict[str, str] = {k: str((rank or {}).get(k, "")) for k in RANK_LABELS}
+        self._ranks = tuple(self.rank.values())
         self._lock = threading.Lock()
         self.counts: _Counter[str] = _Counter()
+        self._children: dict[tuple[object, ...], Any] = {}
+
+    def _series(self, metric: Union[Counter, Histogram], *values: str) -> Any:
+        """The metric's series for these label values and this store's ranks, looked up
+        once (``labels()`` builds and checks them on every call, on the hot path)."""
+        key = (metric, *values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*values, *self._ranks)
+        return child
 
     def pages(self, op: str, outcome: str, n: int = 1) -> None:
         if n:
-            PAGES.labels(op=op, outcome=outcome, **self.rank).inc(n)
+            self._series(PAGES, op, outcome).inc(n)
             self._add(f"{op}_{outcome}", n)
 
     def bytes(self, op: str, n: int) -> None:
         if n:
-            BYTES.labels(op=op, **self.rank).inc(n)
+            self._series(BYTES, op).inc(n)
             self._add(f"{op}_bytes", n)
 
     def error(self, kind: str, n: int = 1) -> None:
-        ERRORS.labels(kind=kind, **self.rank).inc(n)
+        self._series(ERRORS, kind).inc(n)
         self._add(f"error_{kind}", n)
 
     def housekeeping(self, action: str, n: int) -> None:
         if n:
-            HOUSEKEEPING.labels(action=action, **self.rank).inc(n)
+            self._series(HOUSEKEEPING, action).inc(n)
             self._add(action, n)
 
     def cpu(self, call: str, since: tuple[float, float]) -> None:
@@ -92,12 +103,12 @@ class Metrics:
         user, system = thread_cpu()
         for mode, dt in (("user", user - since[0]), ("system", system - since[1])):
             if dt > 0:
-                CPU.labels(call=call, mode=mode, **self.rank).inc(dt)
+                self._series(CPU, call, mode).inc(dt)
                 self._add(f"cpu_us_{call}_{mode}", round(dt * 1e6))
         self._add(f"calls_{call}", 1)
 
     def observe(self, op: str, seconds: float) -> None:
-        LATENCY.labels(op=op, **self.rank).observe(seconds)
+        self._series(LATENCY, op).observe(seconds)
 
     def _add(self, name: str, n: int) -> None:
         with self._lock:

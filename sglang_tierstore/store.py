@@ -15,7 +15,7 @@ import secrets
 import time as mod_time
 from dataclasses import dataclass
 from collections import Counter
-from typing import Callable, Generator, Mapping, Optional, Sequence, Type
+from typing import Callable, Mapping, Optional, Sequence, Type
 from typing import Counter as CounterT
 
 import xxhash
@@ -31,7 +31,7 @@ from sglang_tierstore.errors import (
     TierStoreError,
 )
 from sglang_tierstore.index import RedisIndex
-from sglang_tierstore.io_engine import Gate, IOEngine
+from sglang_tierstore.io_engine import Gate, IOEngine, Outcome
 from sglang_tierstore.metrics import Metrics, RateLimitedLog
 from sglang_tierstore.pagefile import PageFiles, checksum
 from sglang_tierstore.perms import modes, redis_password, redis_tls
@@ -94,6 +94,8 @@ def _pieces(bufs: Sequence[memoryview], limit: int) -> list[tuple[int, list[memo
     pieces of aligned buffers are aligned too."""
     if limit <= 0:
         raise ValueError(f"pieces need a positive size limit, got {limit}")
+    if sum(map(len, bufs)) <= limit:  # the common case: one piece, nothing cut
+        return [(0, list(bufs))]
     out: list[tuple[int, list[memoryview]]] = []
     piece: list[memoryview] = []
     start = size = 0
@@ -334,25 +336,21 @@ class TierStore:
                  for i, e in entries.items() if g.file_of(e.region) in refs]
         runs = self._runs(pages, ns.page_bytes, len(dests[0]) if dests else 1)
         read_runs = self._read_staged if self.cfg.read_timeout_s else self._read_direct
-        # closed however this loop ends: before read returns or raises, a direct read waits for
-        # the runs in flight (starting no more), a staged read shuts its gate
-        with contextlib.closing(read_runs(a, runs, dests, ns.page_bytes, aligned)) as arriving:
-            for k, o in arriving:
-                run = runs[k]
-                if isinstance(o, BaseException):
-                    a.files.failure("io_read", run[0].file.number, o)
-                    continue
-                for p in run:
-                    if checksum(dests[p.pos]) == entries[p.pos].checksum or self._reread(a, p, dests[p.pos], entries[p.pos],
-                                                                                         ns.page_bytes):
-                        results[p.pos] = True
-                    elif a.files.current(p.file.number):
-                        raw = raws[p.pos]
-                        assert raw is not None
-                        bad.append((fields[p.pos], raw))
-                        self.metrics.error("corrupt")
-                        self.log.warning("corrupt", "page %s failed verification (stale, torn or rotten slot): dropped",
-                                         fields[p.pos].hex())
+        for k, o in read_runs(a, runs, dests, ns.page_bytes, aligned).items():
+            run = runs[k]
+            if isinstance(o, BaseException):
+                a.files.failure("io_read", run[0].file.number, o)
+                continue
+            for p, sum_read in zip(run, o):
+                if sum_read == entries[p.pos].checksum or self._reread(a, p, dests[p.pos], entries[p.pos], ns.page_bytes):
+                    results[p.pos] = True
+                elif a.files.current(p.file.number):
+                    raw = raws[p.pos]
+                    assert raw is not None
+                    bad.append((fields[p.pos], raw))
+                    self.metrics.error("corrupt")
+                    self.log.warning("corrupt", "page %s failed verification (stale, torn or rotten slot): dropped",
+                                     fields[p.pos].hex())
         hits = sum(results)
         self.metrics.pages("read", "hit", hits)
         self.metrics.pages("read", "miss", len(keys) - hits)
@@ -381,55 +379,56 @@ class TierStore:
         return True
 
     def _read_direct(self, a: Attachment, runs: list[Run], dests: Sequence[Regions], page_bytes: int,
-                     aligned: bool) -> Generator[tuple[int, object], None, None]:
-        """(run position, outcome) of each run, read straight into ``dests``, as runs
-        arrive; waits for every run (``read_timeout_s`` 0), and when closed early, for
-        the runs in flight, starting no more: none lands in ``dests`` after ``read``."""
-        def read_run(run: Run) -> None:
+                     aligned: bool) -> dict[int, Outcome[list[int]]]:
+        """Run position -> outcome of each run read straight into ``dests``: the
+        checksums of its pages (hashed by the thread that read them), or what it raised.
+        Returns once every run is done, or, when interrupted, once none is in flight any
+        more (starting no more): none lands in ``dests`` after ``read``."""
+        def read_run(run: Run) -> list[int]:
             bufs = [m for p in run for m in dests[p.pos]]
             a.pages.read(run[0].file, run[0].offset, bufs, len(run) * page_bytes, aligned)
+            return [checksum(dests[p.pos]) for p in run]
 
         with self.io.submit(read_run, runs, _run_bytes(runs, page_bytes)) as batch:
-            yield from batch.as_completed()
+            return batch.wait()
 
     def _read_staged(self, a: Attachment, runs: list[Run], dests: Sequence[Regions], page_bytes: int,
-                     aligned: bool) -> Generator[tuple[int, object], None, None]:
-        """Like :meth:`_read_direct`, but yields only runs done within ``read_timeout_s``.
+                     aligned: bool) -> dict[int, Outcome[list[int]]]:
+        """Like :meth:`_read_direct`, but only the runs done within ``read_timeout_s``.
 
         A preadv cannot be cancelled, so runs are read into the I/O threads' staging
         memory and copied into ``dests`` through a gate that this shuts before it
-        returns: runs not done by the deadline are not yielded (misses), those not
+        returns: runs not done by the deadline are left out (misses), those not
         started never start, and a preadv that returns later fills staging memory
         only, never ``dests`` (host memory SGLang may have reused by then).
         """
         timeout = self.cfg.read_timeout_s
         gate = Gate()
 
-        def read_run(run: Run) -> None:
+        def read_run(run: Run) -> list[int]:
             n = len(run) * page_bytes
             buf = self.io.staging.buffer(n)
             a.pages.read(run[0].file, run[0].offset, [buf], n, aligned)
-            if not gate.enter():
-                return  # given up: the bytes stay in this thread's staging buffer
-            try:
-                _scatter(buf, [dests[p.pos] for p in run])
-            finally:
-                gate.leave()
+            sums = [checksum([buf[k * page_bytes:(k + 1) * page_bytes]]) for k in range(len(run))]
+            if gate.enter():  # else given up: the bytes stay in this thread's staging buffer, and nobody
+                try:  # waits for this outcome any more
+                    _scatter(buf, [dests[p.pos] for p in run])
+                finally:
+                    gate.leave()
+            return sums
 
         batch = self.io.submit(read_run, runs, _run_bytes(runs, page_bytes), inline=False)
-        done = 0
         try:
-            for k, o in batch.as_completed(mod_time.monotonic() + timeout):
-                done += len(runs[k])
-                yield k, o
+            done = batch.wait(mod_time.monotonic() + timeout)
         finally:
             batch.cancel()
             gate.close()
-        late = sum(map(len, runs)) - done
+        late = sum(map(len, runs)) - sum(len(runs[k]) for k in done)
         if late:
             self.metrics.error("io_read_timeout", late)
             self.log.warning("io_read_timeout", "%d page(s) not read within read_timeout_s=%g s (a stalled disk, I/O "
                              "threads still stuck on one, or a queue of other batches' I/O ahead): misses, kept", late, timeout)
+        return done
 
     def _drop(self, a: Attachment, entries: Sequence[tuple[bytes, bytes]]) -> int:
         """Drop pages a read found bad; index trouble only postpones it."""
@@ -449,7 +448,7 @@ class TierStore:
 
         Costs one ``commit`` round trip once this thread holds a stock of leased slots
         (a second call first when it does not), and the pages' pwritevs in parallel,
-        coalesced over adjacent slots, while this thread hashes them. Nothing is
+        coalesced over adjacent slots, each run hashed by the thread that wrote it. Nothing is
         published before its pwritev returned. With ``write_timeout_s`` (> 0) the batch
         waits for the disk that long at most: pages not written by then are not stored,
         and their slots are given up (dead until their region is reclaimed, which a late
@@ -489,26 +488,26 @@ class TierStore:
             units = [(run, off, piece) for run in runs
                      for off, piece in _pieces([m for p in run for m in srcs[p.pos]], MAX_RUN_BYTES)]
 
-            def write_unit(unit: tuple[Run, int, list[memoryview]]) -> None:
+            def write_unit(unit: tuple[Run, int, list[memoryview]]) -> Optional[list[int]]:
+                """Writes one piece; a run's first piece also hashes the run's pages (from the
+                buffers it is written from: they do not change during the call)."""
                 run, off, piece = unit
                 a.pages.write(run[0].file, run[0].offset + off, piece, sum(map(len, piece)), aligned)
+                return [checksum(srcs[p.pos]) for p in run] if off == 0 else None
 
             timeout = self.cfg.write_timeout_s
             deadline = mod_time.monotonic() + timeout if timeout else None
             batch = self.io.submit(write_unit, units, len(res.places) * pb // max(1, len(units)), inline=not timeout,
                                    write=True)
             try:
-                tails = {}
-                for p in res.places:  # while the pages are being written
-                    sl = res.slots[p.pos]
-                    tails[p.pos] = a.tags.tail(fields[p.pos], sl.region, sl.gen, sl.slot, checksum(srcs[p.pos]))
-                finished: dict[int, object] = dict(batch.as_completed(deadline))
+                finished = batch.wait(deadline)
             except BaseException:  # pieces not started never start; running ones are waited for until the deadline
                 if not batch.settle(deadline):
                     _give_up(res)  # some still run: their slots must not go back into a stock
                 raise
             batch.settle(deadline)  # (past it, pieces still running land in slots given up below)
             failed: set[int] = set()
+            sums: dict[int, int] = {}  # page position -> its checksum, from its run's first piece
             late = 0
             for k, (run, _, _) in enumerate(units):
                 o = finished.get(k, _LATE)
@@ -516,6 +515,8 @@ class TierStore:
                     late += len(run) * (run[0].pos not in failed)
                 elif isinstance(o, BaseException) and run[0].pos not in failed:
                     a.files.failure("io_write", run[0].file.number, o)  # once per run, however many pieces failed
+                elif isinstance(o, list):
+                    sums.update(zip((p.pos for p in run), o))
                 if o is _LATE or isinstance(o, BaseException):
                     failed.update(p.pos for p in run)
             outcomes["io_timeout"] += late
@@ -524,7 +525,12 @@ class TierStore:
                 self.metrics.error("io_write_timeout", late)
                 self.log.warning("io_write_timeout", "%d page(s) not written within write_timeout_s=%g s (a stalled disk, "
                                  "or I/O threads stuck on one): not stored", late, timeout)
-            status = res.commit((p.pos for p in res.places if p.pos not in failed), tails, self.cfg.fsync == "commit")
+            tails = {}
+            for p in res.places:
+                if p.pos not in failed:
+                    sl = res.slots[p.pos]
+                    tails[p.pos] = a.tags.tail(fields[p.pos], sl.region, sl.gen, sl.slot, sums[p.pos])
+            status = res.commit(tails.keys(), tails, self.cfg.fsync == "commit")
         stored = sum(1 for s in status.values() if s == STORED)
         outcomes["stored"] += stored
         outcomes["exists"] += sum(1 for s in status.values() if s == EXISTS)

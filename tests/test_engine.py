@@ -20,7 +20,7 @@ from monitor import Monitor
 from engine_kit import Hook, MiB, engine, hooked, housekeep, pages, read, views
 
 from sglang_tierstore import inspect
-from sglang_tierstore import store as store_module
+from sglang_tierstore import io_engine
 from sglang_tierstore.errors import PageIOError
 from sglang_tierstore.schema import ALIGN
 from sglang_tierstore.store import MAX_RUN_BYTES
@@ -197,8 +197,8 @@ def test_a_read_during_a_large_write_waits_for_one_write_unit_per_thread(cfg: di
 @pytest.mark.parametrize("op", ["read", "write"])
 def test_a_call_that_raises_with_io_in_flight_returns_only_after_that_io(cfg: dict[str, Any], op: str,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A bug in the caller's thread (here: verifying a page read, or making a written
-    page's tag) raises while other runs of the batch are in flight. The call raises only
+    """The caller's wait for its batch ends in an exception (a signal handler raising in
+    SGLang's thread, or a bug) while runs of the batch are in flight. The call raises only
     once they are done: none of their preadv/pwritev happens after it, when SGLang may
     already have given that host memory to other pages. The store is whole afterwards."""
     hooks: dict[str, Hook] = {}
@@ -223,12 +223,12 @@ def test_a_call_that_raises_with_io_in_flight_returns_only_after_that_io(cfg: di
             real(*args)
             ended.append(raised.is_set())
 
-        def bug(*args: Any) -> Any:  # the page hash, which the caller's thread runs as the I/O goes on
+        def bug(*args: Any) -> Any:  # the caller's thread, waiting for the batch
             assert other_started.wait(HANG_S)
             raise KeyError("a bug")
 
         hooks[op] = held_io
-        monkeypatch.setattr(store_module, "checksum", bug)
+        monkeypatch.setattr(io_engine.Batch, "wait", bug)
         with pytest.raises(KeyError):
             if op == "read":
                 read(st, ns, ks)
@@ -249,7 +249,7 @@ def test_a_call_that_raises_with_io_in_flight_returns_only_after_that_io(cfg: di
 
 def test_a_write_that_raises_while_its_pwritevs_outlive_the_deadline_gives_its_slots_up(
         cfg: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    """A bug in the caller's thread raises while a pwritev is stuck past write_timeout_s:
+    """The caller's wait for its batch raises while a pwritev is stuck past write_timeout_s:
     the call raises at the deadline, and the slots of that batch are given up, never taken
     again by the thread's next batches, where the late pwritev could overwrite a page."""
     hooks: dict[str, Hook] = {}
@@ -274,7 +274,7 @@ def test_a_write_that_raises_while_its_pwritevs_outlive_the_deadline_gives_its_s
         assert st.write(ns, keys(2, "warm"), views(pages(2, 64 << 10, 1)), False) == [True] * 2  # a stock
         hooks["write"] = holding
         offsets.clear()
-        monkeypatch.setattr(store_module, "checksum", bug)
+        monkeypatch.setattr(io_engine.Batch, "wait", bug)
         with pytest.raises(KeyError):
             st.write(ns, keys(4, "bug"), views(pages(4, 64 << 10, 2)), False)
         monkeypatch.undo()
@@ -483,6 +483,61 @@ def test_a_write_is_one_round_trip_once_the_writer_has_a_stock(cfg: dict[str, An
         reads = Monitor(server_proc.port)
         assert st.read(ns, keys(16, "c"), views([bytearray(4096) for _ in range(16)]), False) == [True] * 16
         assert reads.commands() == {"HMGET": 1}
+    finally:
+        st.close()
+
+
+def test_a_batch_no_larger_than_a_recent_one_is_one_round_trip(cfg: dict[str, Any], server_proc: RedisProc) -> None:
+    """SGLang's backups vary in size: a stock sized after the largest of the writer's last
+    batches, not the last one only, lets a large batch after small ones go without a lease
+    call first; a batch larger than any recent one still leases."""
+    st = engine(cfg)
+    try:
+        ns = st.namespace({}, 4096)
+        assert st.write(ns, keys(16, "a"), views(pages(16, 4096, 10)), False) == [True] * 16
+        mon = Monitor(server_proc.port)
+        for i, n in enumerate((2, 3, 16, 1, 16)):
+            assert st.write(ns, keys(n, f"b{i}"), views(pages(n, 4096, 11)), False) == [True] * n
+        assert mon.commands() == {"FCALL": 5}
+        mon = Monitor(server_proc.port)
+        assert st.write(ns, keys(40, "c"), views(pages(40, 4096, 12)), False) == [True] * 40
+        assert mon.commands()["FCALL"] == 2  # larger than any before: a lease, then the commit
+    finally:
+        st.close()
+
+
+def test_a_hash_that_raises_on_an_io_thread_is_an_internal_error_and_a_miss(
+        cfg: dict[str, Any], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The pages' checksums run on the I/O threads, with their preadv/pwritev: a bug there
+    is counted and logged with its traceback as an internal error, and costs the pages it
+    touched (not stored, or misses), never an exception in SGLang's thread, a wrong page
+    or a file declared failing; the store is whole once the hash works again."""
+    from sglang_tierstore import store as store_module
+
+    st = engine(cfg, capacity_gb=64 * MiB / (1 << 30))
+    try:
+        ns = st.namespace({}, 256 << 10)
+        ks, src = keys(12, "ok"), pages(12, 256 << 10, 3)
+        assert st.write(ns, ks, views(src), False) == [True] * 12
+        real = store_module.checksum
+
+        def bug(*args: Any) -> Any:
+            if threading.current_thread().name.startswith("tierstore-io"):
+                raise KeyError("a bug")
+            return real(*args)
+
+        monkeypatch.setattr(store_module, "checksum", bug)
+        bad = keys(12, "bad")
+        caplog.set_level(logging.WARNING, "sglang_tierstore")
+        stored = st.write(ns, bad, views(pages(12, 256 << 10, 4)), False)
+        hits, _ = read(st, ns, ks)
+        assert not all(stored) and not all(hits)
+        assert st.stats()["error_internal"] >= 1 and "KeyError: 'a bug'" in caplog.text
+        monkeypatch.undo()
+        assert read(st, ns, ks) == ([True] * 12, src)
+        assert st.write(ns, bad, views(pages(12, 256 << 10, 4)), False) == [True] * 12
+        assert read(st, ns, bad) == ([True] * 12, pages(12, 256 << 10, 4))
+        assert inspect.check(st) == []
     finally:
         st.close()
 

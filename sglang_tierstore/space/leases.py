@@ -11,7 +11,9 @@ last). Slots never leave a region except with the whole region, so accounting st
 exact: ``fill = live + leased + dead`` for every region. A region with a slot under
 lease is never reclaimed; one that must leave drains.
 
-Policy here: a stock is the size of the last batch, but never more than 1/16 of the
+Policy here: a stock is the size of the largest of a thread's last ``RECENT_BATCHES``
+batches (SGLang's backups vary in size: sized after the last one only, a larger batch
+after a small one costs a lease round trip), but never more than 1/16 of the
 shard's capacity (a stock holds space while it waits); a stock is trusted only while
 its lease was renewed within half its term (housekeeping renews it every pass).
 """
@@ -19,6 +21,7 @@ its lease was renewed within half its term (housekeeping renews it every pass).
 from __future__ import annotations
 
 import threading
+from collections import deque
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 from sglang_tierstore.errors import IndexUnavailable
@@ -27,6 +30,7 @@ from sglang_tierstore.schema import NEED_FILE, TOO_BIG, round_up
 from sglang_tierstore.space.attach import Home
 
 STOCK_SHARE = 16  # a stock holds at most 1/STOCK_SHARE of a shard's capacity
+RECENT_BATCHES = 8  # a stock holds as many slots as the largest of this many last batches
 
 
 class Range(NamedTuple):
@@ -75,7 +79,7 @@ class _Stock:
     for a whole write (slots taken, written, committed), so housekeeping can tell an idle
     writer from a busy one."""
 
-    __slots__ = ("lease", "thread", "lock", "ranges", "epoch", "renewed", "answered")
+    __slots__ = ("lease", "thread", "lock", "ranges", "epoch", "renewed", "answered", "batches")
 
     def __init__(self, lease: str, epoch: int) -> None:
         self.lease = lease
@@ -85,6 +89,7 @@ class _Stock:
         self.epoch = epoch
         self.renewed: dict[int, float] = {}  # shard -> when its lease was last renewed
         self.answered: dict[int, int] = {}  # shard -> Leases.mark() when a reply last set its stock there
+        self.batches: dict[tuple[int, int], deque[int]] = {}  # (shard, page bytes) -> sizes of the last batches
 
 
 class Leases:
@@ -148,11 +153,14 @@ class Leases:
         return sum(r.slots for r in self._stock(shard) if r.page_bytes == page_bytes)
 
     def stock_target(self, shard: int, page_bytes: int, n: int, capacity: int) -> int:
-        """Slots to keep in stock after a batch of ``n``: the same again, but never more
-        than 1/16 of the shard's capacity (``capacity``: the store's, until a reply told)."""
+        """Slots to keep in stock after a batch of ``n``: as many as the largest of this
+        thread's last batches there, but never more than 1/16 of the shard's capacity
+        (``capacity``: the store's, until a reply told)."""
         g = self.geometry
+        recent = self._mine().batches.setdefault((shard, page_bytes), deque(maxlen=RECENT_BATCHES))
+        recent.append(n)
         regions = self.capacity_regions[shard] or g.capacity_share(capacity, shard)
-        return max(1, min(n, regions * g.region_bytes // STOCK_SHARE // round_up(page_bytes)))
+        return max(1, min(max(recent), regions * g.region_bytes // STOCK_SHARE // round_up(page_bytes)))
 
     def take(self, shard: int, page_bytes: int, n: int) -> list[Slot]:
         """Up to ``n`` slots of this size from this thread's stock, in order (consecutive
