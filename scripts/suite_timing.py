@@ -33,6 +33,7 @@ LANES = {
 }
 QUICK = {"quick": "python3 -m pytest -q --durations=15 tests/test_docs.py"}
 SUMMARY = re.compile(r"^=* ?(\d+ passed.*?) ?=*$", re.M)
+DURATION = re.compile(r"^\s*\d+(?:\.\d+)?s (?:call|setup|teardown)\s+\S+", re.M)  # a line of --durations
 
 
 def run_lane(clone: Path, command: str) -> dict[str, Any]:
@@ -41,8 +42,9 @@ def run_lane(clone: Path, command: str) -> dict[str, Any]:
     wall = time.monotonic() - t0
     text = out.stdout + out.stderr
     found = SUMMARY.findall(text)
-    slowest = text.split("slowest 15 durations", 1)[1].split("\n\n", 1)[0].strip().splitlines()[1:] \
-        if "slowest 15 durations" in text else []
+    # pytest prints the durations on stdout; the tests' own log lines (stderr) are not among them
+    block = out.stdout.split("slowest 15 durations", 1)[1] if "slowest 15 durations" in out.stdout else ""
+    slowest = [m.group(0).strip() for m in DURATION.finditer(block)]
     return {"command": command, "returncode": out.returncode, "wall_s": round(wall, 1),
             "summary": found[-1].strip("= ") if found else None, "slowest": slowest, "tail": text[-2000:] if out.returncode else ""}
 
