@@ -3,7 +3,7 @@
 baseline engine, interleaved.
 
     python3 scripts/bench_caller.py --base 5d013e9 --runs 6 --out scripts/results/bench_caller/bench_caller.json \
-        > scripts/results/bench_caller/summary.txt
+        > scripts/results/bench_caller/bench_caller.txt
 
 Each run is a fresh process (``PYTHONPATH`` at one engine's tree: ``--base`` is checked out
 into a temporary worktree, the other engine is this checkout) with a private

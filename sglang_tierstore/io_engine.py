@@ -4,8 +4,11 @@ preadv/pwritev release the GIL, so ``threads`` workers keep that many requests i
 flight (the queue depth NVMe needs). The caller's thread waits once per batch, woken
 when its last item is done (or at its deadline), not once per item: it shares the GIL
 and the cores with SGLang's scheduler, so what an item needs beside its I/O (the
-pages' checksums) runs in the item, on the worker. A failure stays with its item: an
-outcome is the function's value or the exception it raised.
+pages' checksums; xxhash releases the GIL) runs in the item, on the worker. That keeps
+a worker off the disk while it hashes (about as long as a core takes to hash what the
+I/O moved), and spreads the hashing of a large batch over the workers instead of one
+thread. A failure stays with its item: an outcome is the function's value or the
+exception it raised.
 
 Scheduling. SGLang prefetches (reads a waiting request needs before its first token)
 and backs up (write-through of pages already in host memory) on different threads at
@@ -13,12 +16,13 @@ the same time. A read is on a request's critical path; a write is background wor
 can wait. So the engine keeps two queues of batches, reads and writes, and a worker
 that becomes free takes its next claim from the oldest read batch if there is one (but
 see below: nothing starves). Writes are cut finely: the store hands them over as units
-of at most ``MAX_RUN_BYTES``, cutting pages larger than that into pieces. A worker
+of at most ``MAX_RUN_BYTES`` (with the hash of the pages a unit writes), cutting pages
+larger than that into pieces and hashing such a page in a unit of its own. A worker
 claims an even share of a write batch, a contiguous stretch (sequential writes per
 thread; threads taking turns at single units wrote large pages more slowly), but between
 units it hands the rest of its claim back as soon as a read is queued: first in line, and cut into even shares again, so that once the
 reads are done it spreads over every free thread. So a read arriving while every thread
-is writing waits for at most one small write per thread, never for the rest of a
+is writing waits for at most one small write unit per thread, never for the rest of a
 backup, as long as at most ``reads_per_write`` read claims wait in a row (8 MiB of
 pages up to 1 MiB, with the defaults); beyond that one write unit goes through after
 every ``reads_per_write`` read claims. Alternatives weighed:

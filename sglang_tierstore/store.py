@@ -55,9 +55,10 @@ logger = logging.getLogger(__name__)
 
 Regions = Sequence[memoryview]
 IOV_MAX = 1024  # iovecs in one preadv/pwritev
-_LATE = object()  # the outcome of a write piece not done by write_timeout_s
+_LATE = object()  # the outcome of a write item not done by write_timeout_s
 MAX_RUN_BYTES = 1 << 20  # one coalesced I/O at most (larger ones were slower on this VM: docs/performance.md),
-# and the most one write moves: a larger page is written in pieces, so a read waits for at most one of those per thread
+# and the most one write item moves: a larger page is written in pieces and hashed by an item of its own, so a
+# read waits for at most one piece or one page's hash per thread
 
 
 @dataclass(frozen=True, slots=True)
@@ -448,7 +449,8 @@ class TierStore:
 
         Costs one ``commit`` round trip once this thread holds a stock of leased slots
         (a second call first when it does not), and the pages' pwritevs in parallel,
-        coalesced over adjacent slots, each run hashed by the thread that wrote it. Nothing is
+        coalesced over adjacent slots, each run hashed by an I/O thread (the one that wrote
+        it, or for a page cut into pieces, an item of its own). Nothing is
         published before its pwritev returned. With ``write_timeout_s`` (> 0) the batch
         waits for the disk that long at most: pages not written by then are not stored,
         and their slots are given up (dead until their region is reclaimed, which a late
@@ -485,15 +487,21 @@ class TierStore:
         fields = entry_fields(ns.ns_id, keys)
         with a.reserve(pb, fields, outcomes) as res:
             runs = self._runs(list(res.places), pb, len(srcs[0]))
-            units = [(run, off, piece) for run in runs
-                     for off, piece in _pieces([m for p in run for m in srcs[p.pos]], MAX_RUN_BYTES)]
+            units: list[tuple[Run, int, list[memoryview], bool]] = []  # (run, piece offset, buffers, hashes the run)
+            for run in runs:
+                pieces = _pieces([m for p in run for m in srcs[p.pos]], MAX_RUN_BYTES)
+                units += [(run, off, piece, len(pieces) == 1) for off, piece in pieces]
+                if len(pieces) > 1:  # a page cut into pieces is hashed by an item of its own, so that a read
+                    units.append((run, 0, [], True))  # waits for at most one piece or one hash per thread
 
-            def write_unit(unit: tuple[Run, int, list[memoryview]]) -> Optional[list[int]]:
-                """Writes one piece; a run's first piece also hashes the run's pages (from the
-                buffers it is written from: they do not change during the call)."""
-                run, off, piece = unit
-                a.pages.write(run[0].file, run[0].offset + off, piece, sum(map(len, piece)), aligned)
-                return [checksum(srcs[p.pos]) for p in run] if off == 0 else None
+            def write_unit(unit: tuple[Run, int, list[memoryview], bool]) -> Optional[list[int]]:
+                """Writes one piece (if any); hashes the run's pages if it is the run's item
+                that does (from the buffers the run is written from: they do not change
+                during the call)."""
+                run, off, piece, hashes = unit
+                if piece:
+                    a.pages.write(run[0].file, run[0].offset + off, piece, sum(map(len, piece)), aligned)
+                return [checksum(srcs[p.pos]) for p in run] if hashes else None
 
             timeout = self.cfg.write_timeout_s
             deadline = mod_time.monotonic() + timeout if timeout else None
@@ -507,9 +515,9 @@ class TierStore:
                 raise
             batch.settle(deadline)  # (past it, pieces still running land in slots given up below)
             failed: set[int] = set()
-            sums: dict[int, int] = {}  # page position -> its checksum, from its run's first piece
+            sums: dict[int, int] = {}  # page position -> its checksum, from the item that hashed its run
             late = 0
-            for k, (run, _, _) in enumerate(units):
+            for k, (run, _, _, _) in enumerate(units):
                 o = finished.get(k, _LATE)
                 if o is _LATE:
                     late += len(run) * (run[0].pos not in failed)

@@ -506,19 +506,23 @@ def test_a_batch_no_larger_than_a_recent_one_is_one_round_trip(cfg: dict[str, An
         st.close()
 
 
+@pytest.mark.parametrize("page_bytes,n", [(256 << 10, 12), (2 * MAX_RUN_BYTES, 4)])  # one piece; pieces and a hash item
+@pytest.mark.parametrize("read_timeout_s", [0.0, 30.0])  # reads into host memory; staged reads
 def test_a_hash_that_raises_on_an_io_thread_is_an_internal_error_and_a_miss(
-        cfg: dict[str, Any], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    """The pages' checksums run on the I/O threads, with their preadv/pwritev: a bug there
-    is counted and logged with its traceback as an internal error, and costs the pages it
-    touched (not stored, or misses), never an exception in SGLang's thread, a wrong page
-    or a file declared failing; the store is whole once the hash works again."""
+        cfg: dict[str, Any], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, page_bytes: int, n: int,
+        read_timeout_s: float) -> None:
+    """The pages' checksums run on the I/O threads, with their preadv/pwritev (a page cut
+    into pieces is hashed by an item of its own): a bug there is counted and logged with its
+    traceback as an internal error, and costs the pages it touched (not stored, or misses),
+    never an exception in SGLang's thread or a wrong page; the store is whole once the hash
+    works again."""
     from sglang_tierstore import store as store_module
 
-    st = engine(cfg, capacity_gb=64 * MiB / (1 << 30))
+    st = engine(cfg, capacity_gb=64 * MiB / (1 << 30), read_timeout_s=read_timeout_s)
     try:
-        ns = st.namespace({}, 256 << 10)
-        ks, src = keys(12, "ok"), pages(12, 256 << 10, 3)
-        assert st.write(ns, ks, views(src), False) == [True] * 12
+        ns = st.namespace({}, page_bytes)
+        ks, src = keys(n, "ok"), pages(n, page_bytes, 3)
+        assert st.write(ns, ks, views(src), False) == [True] * n
         real = store_module.checksum
 
         def bug(*args: Any) -> Any:
@@ -527,16 +531,16 @@ def test_a_hash_that_raises_on_an_io_thread_is_an_internal_error_and_a_miss(
             return real(*args)
 
         monkeypatch.setattr(store_module, "checksum", bug)
-        bad = keys(12, "bad")
+        bad = keys(n, "bad")
         caplog.set_level(logging.WARNING, "sglang_tierstore")
-        stored = st.write(ns, bad, views(pages(12, 256 << 10, 4)), False)
+        stored = st.write(ns, bad, views(pages(n, page_bytes, 4)), False)
         hits, _ = read(st, ns, ks)
         assert not all(stored) and not all(hits)
         assert st.stats()["error_internal"] >= 1 and "KeyError: 'a bug'" in caplog.text
         monkeypatch.undo()
-        assert read(st, ns, ks) == ([True] * 12, src)
-        assert st.write(ns, bad, views(pages(12, 256 << 10, 4)), False) == [True] * 12
-        assert read(st, ns, bad) == ([True] * 12, pages(12, 256 << 10, 4))
+        assert read(st, ns, ks) == ([True] * n, src)
+        assert st.write(ns, bad, views(pages(n, page_bytes, 4)), False) == [True] * n
+        assert read(st, ns, bad) == ([True] * n, pages(n, page_bytes, 4))
         assert inspect.check(st) == []
     finally:
         st.close()
