@@ -428,6 +428,63 @@ def thread_share(job: str, phase: str, name: str) -> Callable[[], str]:
     return value
 
 
+CALLS = {"set": "batch_set_v1", "get": "batch_get_v1", "exists": "batch_exists"}
+
+
+def us(i: Mapping[str, float]) -> str:
+    """A time in microseconds with its 95% interval."""
+    digits = 1 if i["median"] < 100 else 0
+    return f"{i['median']:.{digits}f} us ({i['lo']:.{digits}f}-{i['hi']:.{digits}f})"
+
+
+def caller_fit(op: str, term: str, engine: str = "new", clock: str = "caller_us") -> Callable[[], str]:
+    """bench_caller: an engine's CPU per call or per page (``term``) of one call, median over runs."""
+    return lambda: us(load("bench_caller/bench_caller.json")["summary"][engine][op][clock][term])
+
+
+def caller_table() -> str:
+    """performance.md's table of bench_caller: CPU per call and per page, on SGLang's thread and in
+    the whole process, baseline and this engine, and the ratio at the batch sizes."""
+    from compare import say
+
+    d = load("bench_caller/bench_caller.json")
+    s, base, new = d["summary"], d["commits"]["base"], d["commits"]["new"]
+    big = max(d["sizes"])
+    rows = [f"| call | CPU on the caller's thread, per call: {base} → {new} | per page: {base} → {new} | whole process, "
+            f"per page: {base} → {new} | caller, {new} / {base} at {big} pages |",
+            "|---|---|---|---|---|"]
+    for op, call in CALLS.items():
+        c, p = s["base"][op], s["new"][op]
+        rows.append(f"| `{call}` | {us(c['caller_us']['per_call_us'])} → {us(p['caller_us']['per_call_us'])} | "
+                    f"{us(c['caller_us']['per_page_us'])} → {us(p['caller_us']['per_page_us'])} | "
+                    f"{us(c['process_us']['per_page_us'])} → {us(p['process_us']['per_page_us'])} | "
+                    f"{say(s['new/base'][op]['caller_us'][f'{big}_pages'])} |")
+    return "\n" + "\n".join(rows) + "\n"
+
+
+def within(i: Mapping[str, float], limit: float, unit: str, what: str) -> str:
+    """Whether a figure meets an upper bound: by its whole 95% interval, by its median only, or not."""
+    fmt = (lambda v: f"{v:.2f}{unit}") if unit == "x" else (lambda v: f"{v:.1f} {unit}")
+    if i["hi"] <= limit:
+        return f"{what}: met (the interval's upper end {fmt(i['hi'])}, at most {fmt(limit)})"
+    if i["median"] <= limit:
+        return (f"{what}: the median {fmt(i['median'])} is within {fmt(limit)}, but the interval reaches "
+                f"{fmt(i['hi'])}, so the runs do not exclude more")
+    return f"{what}: missed ({fmt(i['median'])}, {fmt(i['lo'])}-{fmt(i['hi'])}, against at most {fmt(limit)})"
+
+
+def interference_targets() -> str:
+    """Item 4's targets against the committed runs: tierstore over the file backend in the
+    interference job (no slowdown beyond 3%), and bench_caller's CPU per page (at most 10 us)."""
+    pairs = load("interference/rounds.json")["pairs"]
+    caller = load("bench_caller/bench_caller.json")["summary"]["new"]
+    parts = [within(pairs[f"l2+tierstore / l2+file: {k}"], 1.03, "x", name)
+             for k, name in (("decode inter-token latency", "decode ITL"), ("first-turn TTFT", "first-turn TTFT"))]
+    parts += [within(caller[op]["caller_us"]["per_page_us"], 10.0, "us", f"CPU per page {verb} on the caller")
+              for op, verb in (("set", "written"), ("get", "read"), ("exists", "probed"))]
+    return "; ".join(parts)
+
+
 FIGURES: dict[str, Callable[[], str]] = {
     "io.cold_read.range": io_range("cold read / O_DIRECT read"),
     "io.write.range": io_range("write / O_DIRECT write"),
@@ -493,6 +550,14 @@ FIGURES: dict[str, Callable[[], str]] = {
     "interference.first.file": pair("interference", "l2+tierstore / l2+file: first-turn TTFT"),
     "interference.first.l2": pair("interference", "l2+tierstore / l2: first-turn TTFT"),
     "interference.returning.file": pair("interference", "l2+tierstore / l2+file: returning-turn TTFT"),
+    "caller.table": caller_table,
+    "interference.targets": interference_targets,
+    "caller.set.per_page": caller_fit("set", "per_page_us"),
+    "caller.get.per_page": caller_fit("get", "per_page_us"),
+    "caller.exists.per_page": caller_fit("exists", "per_page_us"),
+    "caller.set.per_call": caller_fit("set", "per_call_us"),
+    "caller.get.per_call": caller_fit("get", "per_call_us"),
+    "caller.exists.per_call": caller_fit("exists", "per_call_us"),
     "interference.caller.write": caller_us("interference", "batch_set_v1"),
     "interference.caller.read": caller_us("interference", "batch_get_v1"),
     "interference.caller.probe": caller_us("interference", "batch_exists"),
