@@ -194,77 +194,64 @@ def paired_cluster(server: str, what: str) -> Callable[[], str]:
     return value
 
 
-def loadtest(run: str, what: str) -> Callable[[], str]:
-    """From the four-configuration load test: a returning turn's TTFT quantile ("p50", "p90")."""
-    return lambda: f"{1e3 * load(f'loadtest/{run}.summary.json')['summary']['returning'][f'ttft_{what}_s']:,.0f} ms"
-
-
 LOADTEST_RUNS = (("no-hicache", "no HiCache"), ("l2", "HiCache L2 only"), ("l2+file", "L2 + SGLang `file` backend"),
                  ("l2+tierstore", "L2 + tierstore"))
 
 
+@cache
+def loadtest_rounds() -> range:
+    """The four-configuration load test's interleaved rounds (run ``<config>@r<k>``)."""
+    return range(1, int(load("loadtest/rounds.json")["rounds"]) + 1)
+
+
+@cache
+def loadtest_pooled(config: str) -> dict[str, Any]:
+    """One configuration's returning turns, every round's requests pooled: TTFT quantiles
+    and the token-weighted share of the resent prefix each tier served, as the load test
+    summarizes a run (``multiturn_loadtest.summarize``)."""
+    from multiturn_loadtest import summarize
+
+    rows = [json.loads(ln) for k in loadtest_rounds()
+            for ln in (RESULTS / f"loadtest/{config}@r{k}.jsonl").read_text().splitlines() if ln.strip()]
+    return dict(summarize([r for r in rows if "user" in r], [])["returning"])
+
+
+def loadtest(run: str, what: str) -> Callable[[], str]:
+    """From the four-configuration load test: a returning turn's TTFT quantile ("p50", "p90"), rounds pooled."""
+    return lambda: f"{1e3 * loadtest_pooled(run)[f'ttft_{what}_s']:,.0f} ms"
+
+
 def loadtest_table() -> str:
-    """Returning turns of the four-configuration load test: TTFT and the share each tier served."""
+    """Returning turns of the four-configuration load test, rounds pooled: TTFT and the share each tier served."""
     rows = ["| configuration | TTFT p50 | TTFT p90 | device | host | storage | recomputed |", "|---|---|---|---|---|---|---|"]
     for run, label in LOADTEST_RUNS:
-        r = load(f"loadtest/{run}.summary.json")["summary"]["returning"]
+        r = loadtest_pooled(run)
         rows.append(f"| {label} | {1e3 * r['ttft_p50_s']:,.0f} ms | {1e3 * r['ttft_p90_s']:,.0f} ms | {r['device_share']:.0%} | "
                     f"{r['host_share']:.0%} | {r['storage_share']:.0%} | {r['recomputed_share']:.0%} |")
     return "\n" + "\n".join(rows) + "\n"
 
 
-@cache
-def requests(run: str) -> dict[tuple[int, int], dict[str, Any]]:
-    """The load test's requests of one run, by (user, turn): the same seed makes them the same requests."""
-    lines = (RESULTS / f"loadtest/{run}.jsonl").read_text().splitlines()
-    out = {}
-    for ln in lines:
-        r = json.loads(ln)
-        if "user" in r and not r.get("error"):
-            out[(r["user"], r["turn"])] = r
-    return out
-
-
-def loadtest_paired(a: str, b: str, first: bool) -> Callable[[], str]:
-    """TTFT of run ``a`` over run ``b``, paired per request (returning turns, or first turns):
-    the median ratio with its interval, and on how many requests ``a`` was slower."""
-    from compare import paired_ratio
-
-    def value() -> str:
-        ra, rb = requests(a), requests(b)
-        both = [k for k in ra if k in rb and (k[1] == 1) == first]
-        i = paired_ratio([ra[k]["ttft_s"] for k in both], [rb[k]["ttft_s"] for k in both])
-        slower = sum(ra[k]["ttft_s"] > rb[k]["ttft_s"] for k in both)
-        return f"{iv(i)}, slower on {slower} of {len(both)}"
-    return value
-
-
-def decode_itl(a: str, b: str) -> Callable[[], str]:
-    """Decode inter-token latency of run ``a`` over ``b``, paired per request (each request's
-    median gap after its first two tokens, ``multiturn_loadtest.decode_itl``)."""
-    from compare import paired_ratio
-    from multiturn_loadtest import decode_itl as itl
-
-    def value() -> str:
-        ra, rb = requests(a), requests(b)
-        both = [k for k in sorted(ra.keys() & rb.keys()) if itl(ra[k]) is not None and itl(rb[k]) is not None]
-        i = paired_ratio([itl(ra[k]) for k in both], [itl(rb[k]) for k in both])  # type: ignore[misc]
-        return f"{iv(i)} over {len(both)} requests"
-    return value
+def loadtest_planner(config: str) -> dict[str, dict[str, float]]:
+    """The planner's shares of a returning user's own history (whole-run rates, ``raw``; hot
+    prefixes and busy period taken out, ``effective``) and the measured ones, each the mean
+    over the rounds."""
+    runs = [load("loadtest/planner.json")[f"{config}@r{k}"] for k in loadtest_rounds()]
+    parts = {"raw": [r["raw"]["shares"] for r in runs], "effective": [r["effective"]["shares"] for r in runs],
+             "measured": [r["measured_own_shares"] for r in runs]}
+    return {name: {t: sum(d[t] for d in ds) / len(ds) for t in ds[0]} for name, ds in parts.items()}
 
 
 def planner_table() -> str:
-    """What the planner predicted for a returning user's own history against what was measured."""
-    rows = ["| run | planner, rates over the whole run | planner, hot prefixes and busy period taken out | measured |",
+    """What the planner predicted for a returning user's own history against what was measured (means over the rounds)."""
+    rows = ["| configuration | planner, rates over the whole run | planner, hot prefixes and busy period taken out | measured |",
             "|---|---|---|---|"]
     for run, label in LOADTEST_RUNS[1:]:
-        p = load("loadtest/planner.json")[run]
+        p = loadtest_planner(run)
 
         def shares(d: dict[str, float]) -> str:
             return " / ".join(f"{d[t]:.0%}" for t in ("device", "host", "storage"))
 
-        rows.append(f"| {label} | {shares(p['raw']['shares'])} | {shares(p['effective']['shares'])} | "
-                    f"{shares(p['measured_own_shares'])} |")
+        rows.append(f"| {label} | {shares(p['raw'])} | {shares(p['effective'])} | {shares(p['measured'])} |")
     return "\n" + "\n".join(rows) + "\n"
 
 
@@ -298,28 +285,30 @@ def validation_count(key: str) -> Callable[[], str]:
 
 
 def calibration(key: str) -> Callable[[], str]:
-    """From the load test's calibration: a TTFT (ms) or a ratio of them."""
+    """From the load test's calibration (its first round): a TTFT (ms) or a ratio of them."""
     def value() -> str:
-        v = load("loadtest/calibration.json")[key]
+        v = load("loadtest/calibration@r1.json")[key]
         return x(v) if "over" in key else f"{1e3 * v:,.0f} ms"
     return value
 
 
 def speedup(base: str, q: str) -> Callable[[], str]:
-    """How many times sooner L2 + tierstore's returning turns got their first token than ``base``'s."""
+    """How many times sooner L2 + tierstore's returning turns got their first token than
+    ``base``'s: the ratio of the two quantiles, rounds pooled."""
     def value() -> str:
         def t(run: str) -> float:
-            return float(load(f"loadtest/{run}.summary.json")["summary"]["returning"][f"ttft_{q}_s"])
+            return float(loadtest_pooled(run)[f"ttft_{q}_s"])
         return f"{t(base) / t('l2+tierstore'):.1f}x"
     return value
 
 
 def share(run: str, tier: str, own: bool = False) -> Callable[[], str]:
-    """The share of returning turns' prefix tokens (or, ``own``, of the users' own histories) a tier served."""
+    """The share of returning turns' prefix tokens (rounds pooled) or, ``own``, of the users'
+    own histories (the mean over the rounds) that a tier served."""
     def value() -> str:
         if own:
-            return f"{load('loadtest/planner.json')[run]['measured_own_shares'][tier]:.0%}"
-        return f"{load(f'loadtest/{run}.summary.json')['summary']['returning'][f'{tier}_share']:.0%}"
+            return f"{loadtest_planner(run)['measured'][tier]:.0%}"
+        return f"{loadtest_pooled(run)[f'{tier}_share']:.0%}"
     return value
 
 
@@ -538,9 +527,11 @@ FIGURES: dict[str, Callable[[], str]] = {
     "index.batch_128x2m": batch_total(2 << 20, 128),
     "cluster.paired_probe.valkey": paired_cluster("valkey-server", "probe"),
     "cluster.paired_commit.valkey": paired_cluster("valkey-server", "commit"),
-    "loadtest.vs_file.returning": loadtest_paired("l2+tierstore", "l2+file", first=False),
-    "loadtest.vs_file.first": loadtest_paired("l2+tierstore", "l2+file", first=True),
-    "loadtest.vs_file.itl": decode_itl("l2+tierstore", "l2+file"),
+    "loadtest.vs_none.returning": pair("loadtest", "l2+tierstore / no-hicache: returning-turn TTFT"),
+    "loadtest.vs_l2.returning": pair("loadtest", "l2+tierstore / l2: returning-turn TTFT"),
+    "loadtest.vs_file.returning": pair("loadtest", "l2+tierstore / l2+file: returning-turn TTFT"),
+    "loadtest.vs_file.first": pair("loadtest", "l2+tierstore / l2+file: first-turn TTFT"),
+    "loadtest.vs_file.itl": pair("loadtest", "l2+tierstore / l2+file: decode inter-token latency"),
     "loadtest.planner": planner_table,
     "planner.validation": validation_table,
     "planner.within": validation_count("within"),
