@@ -20,7 +20,10 @@ Then the latency target, paired: a one-node store and a 3-master-cluster store (
 master), both up at once, take turns (in alternating order) writing a batch of 128 pages of
 4 KiB, ``--paired`` times each, then take turns probing their last batch as often; reported are
 each side's p50 of the COMMIT round trip and of the probe, and the ratio cluster/one node with
-a bootstrap 95% interval (the machine's noise hits both sides alike).
+a bootstrap 95% interval (the machine's noise hits both sides alike); and where the time goes:
+the client's CPU on its calling thread per call, and the servers' CPU per write batch and per
+probe (INFO CPU over each phase less each server's idle rate, measured just before it: the one
+node; the cluster's masters, and its replicas, which share the same cores here).
 
 Then, on each cluster, a failover drill: 4 KiB pages in batches of 16, a master SIGKILLed,
 the surviving shards' hit rate right after, the time until every page hits again, and the
@@ -208,50 +211,93 @@ def drill(cfg: dict[str, Any], cluster: ClusterProc) -> dict[str, Any]:
         st.close()
 
 
+def servers_cpu(clients: list[redis.Redis]) -> float:
+    """CPU seconds (user + system) the servers behind ``clients`` have used since they started."""
+    total = 0.0
+    for c in clients:
+        info = c.info("cpu")
+        total += float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+    return total
+
+
 def paired(server: str, work: Path, iterations: int) -> dict[str, Any]:
+    """The latency target, paired; with it, where each side's time goes: the client's CPU
+    on its calling thread (p50 per call) and the servers' CPU per call (one node; the
+    cluster's masters and its replicas), from INFO CPU around each phase."""
     single = RedisProc(work / f"{server}-pair-single", appendonly=True, server=server)
     cluster = ClusterProc(work / f"{server}-pair-cluster", server, masters=3, replicas=1)
     stores = {}
+    servers = {"one node": {"server": [redis.Redis.from_url(single.url)]},
+               "cluster": {"masters": [n.client() for n in cluster.masters()],
+                           "replicas": [n.client() for n in cluster.nodes if n not in cluster.masters()]}}
     try:
         for name, where in (("one node", {"redis_url": single.url}), ("cluster", {"redis_cluster": cluster.seeds[:3]})):
             path = tempfile.mkdtemp(dir=work)
             st = engine({**where, "path": path, "redis_prefix": "pair-" + uuid.uuid4().hex[:6], "capacity_gb": 1.0,
                          "o_direct": False, "io_threads": 4, "housekeeping_s": 3600, "lease_s": 4 * 3600})
-            stores[name] = (st, st.namespace({"bench": "pair"}, 4096), {"commit": [], "probe": []})
+            stores[name] = (st, st.namespace({"bench": "pair"}, 4096), {"commit": [], "probe": [], "commit_cpu": [],
+                                                                      "probe_cpu": []})
         buf = [[memoryview(bytearray(os.urandom(4096)))] for _ in range(128)]
         for name, (st, ns, got) in stores.items():
             real = st.index.calls_each
 
             def timed(calls: Any, real: Any = real, got: dict[str, list[float]] = got) -> Any:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 out = real(calls)
                 if any(c[0] == "commit" for c in calls):
                     got["commit"].append((time.perf_counter() - t0) * 1e3)
+                    got["commit_cpu"].append((time.thread_time() - c0) * 1e3)
                 return out
 
             st.index.calls_each = timed  # type: ignore[method-assign]
             for _ in range(5):  # warm
                 st.write(ns, [uuid.uuid4().hex * 2 for _ in range(128)], buf, False)
             got["commit"].clear()
+            got["commit_cpu"].clear()
         order = list(stores)
         last: dict[str, list[str]] = {}
-        for i in range(iterations):  # writes, the two stores in turn
-            for name in (order if i % 2 == 0 else order[::-1]):
-                st, ns, got = stores[name]
-                last[name] = [uuid.uuid4().hex * 2 for _ in range(128)]
-                st.write(ns, last[name], buf, False)
-        time.sleep(1)  # replication and AOF of the writes settle
-        for i in range(iterations):  # then probes of the last batch, in turn
-            for name in (order if i % 2 == 0 else order[::-1]):
-                st, ns, got = stores[name]
-                t0 = time.perf_counter()
-                st.exists([(ns, last[name])])
-                got["probe"].append((time.perf_counter() - t0) * 1e3)
+        cpu: dict[str, dict[str, float]] = {"commit": {}, "probe": {}}
+
+        def sample() -> tuple[float, dict[tuple[str, str], float]]:
+            return time.monotonic(), {(name, role): servers_cpu(cs) for name, roles in servers.items()
+                                      for role, cs in roles.items()}
+
+        def phase(what: str, step: Callable[[str], None]) -> None:
+            """Run the phase; each server group's CPU per call with its idle rate (cluster bus,
+            cron, replication pings: measured over an idle second first) taken out."""
+            t0, idle0 = sample()
+            time.sleep(1)
+            t1, before = sample()
+            for i in range(iterations):
+                for name in (order if i % 2 == 0 else order[::-1]):
+                    step(name)
+            time.sleep(1)  # replication and AOF of the phase settle
+            t2, after = sample()
+            for k, t in before.items():
+                idle_rate = (t - idle0[k]) / (t1 - t0)
+                cpu[what][f"{k[0]} {k[1]}"] = max(0.0, after[k] - t - idle_rate * (t2 - t1)) / iterations * 1e3
+
+        def write(name: str) -> None:
+            st, ns, _ = stores[name]
+            last[name] = [uuid.uuid4().hex * 2 for _ in range(128)]
+            st.write(ns, last[name], buf, False)
+
+        def probe(name: str) -> None:
+            st, ns, got = stores[name]
+            t0, c0 = time.perf_counter(), time.thread_time()
+            st.exists([(ns, last[name])])
+            got["probe"].append((time.perf_counter() - t0) * 1e3)
+            got["probe_cpu"].append((time.thread_time() - c0) * 1e3)
+
+        phase("commit", write)  # writes, the two stores in turn
+        phase("probe", probe)  # then probes of each store's last batch, in turn
         out: dict[str, Any] = {"server": server, "iterations": iterations, "page_bytes": 4096, "batch": 128}
         for what in ("commit", "probe"):
             a, b = stores["one node"][2][what], stores["cluster"][2][what]
             out[what] = {"one_node_p50": statistics.median(a), "cluster_p50": statistics.median(b),
-                         "ratio": statistics.median(b) / statistics.median(a), "ratio_ci95": _bootstrap(a, b)}
+                         "ratio": statistics.median(b) / statistics.median(a), "ratio_ci95": _bootstrap(a, b),
+                         "client_cpu_ms_p50": {name: statistics.median(stores[name][2][f"{what}_cpu"]) for name in stores},
+                         "servers_cpu_ms_per_call": cpu[what]}
         return out
     finally:
         for st, _, _ in stores.values():
@@ -361,6 +407,11 @@ def report(res: dict[str, Any]) -> str:
             lines.append(f"# paired, {p['server']}, {p['iterations']} rounds of 128 pages of 4 KiB: {what} p50 one node "
                          f"{q['one_node_p50']:.3f} ms, cluster {q['cluster_p50']:.3f} ms: {q['ratio']:.2f}x "
                          f"(95% interval {q['ratio_ci95'][0]:.2f}-{q['ratio_ci95'][1]:.2f}x; target 1.5x)")
+            if "client_cpu_ms_p50" in q:
+                c, sv = q["client_cpu_ms_p50"], q["servers_cpu_ms_per_call"]
+                lines.append(f"#   CPU per {'write batch' if what == 'commit' else what}: client thread p50 one node {c['one node']:.3f} ms, cluster "
+                             f"{c['cluster']:.3f} ms; servers (mean, idle rate taken out) one node {sv['one node server']:.3f} ms, cluster masters "
+                             f"{sv['cluster masters']:.3f} ms, its replicas {sv['cluster replicas']:.3f} ms")
     singles = {(r["server"], r["page_bytes"], r["batch"]): r for r in res["configs"] if r["topology"] == "1 node"}
     lines.append("# cluster / 1 node, client p50, from the table's rows (measured at different times, unpaired):")
     for r in res["configs"]:

@@ -194,6 +194,18 @@ def paired_cluster(server: str, what: str) -> Callable[[], str]:
     return value
 
 
+def paired_cpu(server: str, what: str, side: str) -> Callable[[], str]:
+    """Where the paired comparison's time went: the client thread's CPU per call (p50,
+    ``client one node`` or ``client cluster``) or the servers' per call (``one node server``,
+    ``cluster masters``, ``cluster replicas``), in ms."""
+    def value() -> str:
+        p = next(p for p in load("bench_index/bench_index.json")["paired"] if p["server"] == server)[what]
+        v = p["client_cpu_ms_p50"][side.removeprefix("client ")] if side.startswith("client ") else \
+            p["servers_cpu_ms_per_call"][side]
+        return f"{v:.2f} ms"
+    return value
+
+
 LOADTEST_RUNS = (("no-hicache", "no HiCache"), ("l2", "HiCache L2 only"), ("l2+file", "L2 + SGLang `file` backend"),
                  ("l2+tierstore", "L2 + tierstore"))
 
@@ -526,6 +538,16 @@ FIGURES: dict[str, Callable[[], str]] = {
     "index.batch_16x256k": batch_total(256 << 10, 16),
     "index.batch_128x2m": batch_total(2 << 20, 128),
     "cluster.paired_probe.valkey": paired_cluster("valkey-server", "probe"),
+    "cluster.cpu.probe.client1": paired_cpu("redis-server", "probe", "client one node"),
+    "cluster.cpu.probe.clientN": paired_cpu("redis-server", "probe", "client cluster"),
+    "cluster.cpu.probe.server1": paired_cpu("redis-server", "probe", "one node server"),
+    "cluster.cpu.probe.masters": paired_cpu("redis-server", "probe", "cluster masters"),
+    "cluster.cpu.probe.replicas": paired_cpu("redis-server", "probe", "cluster replicas"),
+    "cluster.cpu.commit.client1": paired_cpu("redis-server", "commit", "client one node"),
+    "cluster.cpu.commit.clientN": paired_cpu("redis-server", "commit", "client cluster"),
+    "cluster.cpu.commit.server1": paired_cpu("redis-server", "commit", "one node server"),
+    "cluster.cpu.commit.masters": paired_cpu("redis-server", "commit", "cluster masters"),
+    "cluster.cpu.commit.replicas": paired_cpu("redis-server", "commit", "cluster replicas"),
     "cluster.paired_commit.valkey": paired_cluster("valkey-server", "commit"),
     "loadtest.vs_none.returning": pair("loadtest", "l2+tierstore / no-hicache: returning-turn TTFT"),
     "loadtest.vs_l2.returning": pair("loadtest", "l2+tierstore / l2: returning-turn TTFT"),
