@@ -304,6 +304,11 @@ def calibration(key: str) -> Callable[[], str]:
     return value
 
 
+def prefix_tokens() -> str:
+    """The returning prefix the load test's calibration timed (its first round)."""
+    return f"{load('loadtest/calibration@r1.json')['prefix_tokens']:,}-token"
+
+
 def speedup(base: str, q: str) -> Callable[[], str]:
     """How many times sooner L2 + tierstore's returning turns got their first token than
     ``base``'s: the ratio of the two quantiles, rounds pooled."""
@@ -580,6 +585,7 @@ FIGURES: dict[str, Callable[[], str]] = {
     "interference.idle.io": thread_share("interference", "idle", "tierstore-io"),
     "interference.idle.hk": thread_share("interference", "idle", "tierstore-hk"),
     "interference.idle.redis": thread_share("interference", "idle", "redis"),
+    "loadtest.prefix_tokens": prefix_tokens,
     "loadtest.cold": calibration("cold_ttft_s"),
     "loadtest.storage_hit": calibration("storage_ttft_s"),
     "loadtest.device_hit": calibration("device_ttft_s"),
