@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from collections.abc import Callable, Mapping
@@ -343,26 +344,31 @@ def batch_us(page: int, batch: int) -> float:
     return float(su["commit"]["p50"] + 2 * su["HMGET"]["p50"])
 
 
-# (fleet, page bytes, batch, write batches/s over all ranks, capacity TiB, masters, index)
+# (fleet, page bytes, batch, write batches/s over all ranks, capacity TiB, the index while one Redis will do)
 SIZING = (
-    ("1 node, 8 ranks, 2 TiB", 256 << 10, 16, 200, 2, 1, "one Redis: the embedded one, or node-local"),
-    ("8 nodes, 16 TiB shared", 2 << 20, 128, 128, 16, 1, "one Redis, with Sentinel for its failover"),
-    ("32 nodes, 64 TiB shared", 2 << 20, 128, 512, 64, 3, "a cluster of 3 masters"),
-    ("32 nodes, 64 TiB shared", 256 << 10, 16, 6400, 64, 6, "a cluster of 6 or more masters"),
+    ("1 node, 8 ranks, 2 TiB", 256 << 10, 16, 200, 2, "one Redis: the embedded one, or node-local"),
+    ("8 nodes, 16 TiB shared", 2 << 20, 128, 128, 16, "one Redis, with Sentinel for its failover"),
+    ("32 nodes, 64 TiB shared", 2 << 20, 128, 512, 64, "one Redis, with Sentinel for its failover"),
+    ("32 nodes, 64 TiB shared", 256 << 10, 16, 6400, 64, "one Redis, with Sentinel for its failover"),
 )
+BUSY = 0.5  # the share of a core a Redis is kept under (queueing grows past it)
+MIN_MASTERS = 3  # a cluster's least
 
 
 def sizing_table() -> str:
     """The README's index sizing: CPU = batches/s x server time per batch, memory = bytes per
-    page x pages the capacity holds; per master where the row needs a cluster."""
+    page x pages the capacity holds; past half a core, a cluster of as many masters as keep
+    each under half (at least three), with its share per master."""
     per_page = load("index_memory/index_memory.json")["bytes_per_page"]
     rows = ["| fleet | pages, batch | write batches/s, all ranks | index CPU | index memory | index |", "|---|---|---|---|---|---|"]
-    for fleet, page, batch, rate, tib, masters, index in SIZING:
+    for fleet, page, batch, rate, tib, single in SIZING:
         cpu = rate * batch_us(page, batch) / 1e6
         mem = per_page * (tib << 40) / page / 2**30
-        each = f" ({cpu / masters:.0%} and {mem / masters:.1f} GiB each)" if masters > 1 else ""
+        masters = 1 if cpu <= BUSY else max(MIN_MASTERS, math.ceil(cpu / BUSY))
+        index = single if masters == 1 else \
+            f"a cluster of {masters} masters ({cpu / masters:.0%} and {mem / masters:.1f} GiB each)"
         size = f"{page >> 10} KiB" if page < 1 << 20 else f"{page >> 20} MiB"
-        rows.append(f"| {fleet} | {size}, {batch} | {rate:,} | {cpu:.0%} of a core | {mem:.1f} GiB | {index}{each} |")
+        rows.append(f"| {fleet} | {size}, {batch} | {rate:,} | {cpu:.0%} of a core | {mem:.1f} GiB | {index} |")
     return "\n" + "\n".join(rows) + "\n"
 
 
@@ -547,7 +553,6 @@ FIGURES: dict[str, Callable[[], str]] = {
     "cluster.cpu.probe.clientN": paired_cpu("redis-server", "probe", "client cluster"),
     "cluster.cpu.probe.server1": paired_cpu("redis-server", "probe", "one node server"),
     "cluster.cpu.probe.masters": paired_cpu("redis-server", "probe", "cluster masters"),
-    "cluster.cpu.probe.replicas": paired_cpu("redis-server", "probe", "cluster replicas"),
     "cluster.cpu.commit.client1": paired_cpu("redis-server", "commit", "client one node"),
     "cluster.cpu.commit.clientN": paired_cpu("redis-server", "commit", "client cluster"),
     "cluster.cpu.commit.server1": paired_cpu("redis-server", "commit", "one node server"),
