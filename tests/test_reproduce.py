@@ -93,14 +93,18 @@ def sources(job: reproduce.Job) -> list[str]:
 SMOKES = list({(j.script, j.quick): j for j in reversed(reproduce.JOBS)}.values())[::-1]  # one per distinct smoke run
 
 
+SMOKE_S = 900  # what one smoke run may take: the load test's starts four CPU servers (~5 min on 2 cores)
+
+
 @pytest.mark.slow
+@pytest.mark.timeout(SMOKE_S + 60)  # (the suite's 300 s per test would cut the load test's off first)
 @pytest.mark.parametrize("job", [pytest.param(j, marks=[pytest.mark.server] if j.server else []) for j in SMOKES],
                          ids=lambda j: j.name)
 def test_every_script_has_a_smoke_run_that_finishes_and_stamps(job: reproduce.Job, tmp_path: Path) -> None:
     """A hang or a crash of a benchmark, the stress run, the load test or the suite's own
     timing fails here, not in the next session that tries to regenerate its results."""
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "reproduce.py"), "--quick", "--only", job.name,
-                          "--results", str(tmp_path)], capture_output=True, text=True, timeout=900, cwd=ROOT)
+                          "--results", str(tmp_path)], capture_output=True, text=True, timeout=SMOKE_S, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     for name in job.outputs:
