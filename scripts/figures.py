@@ -212,6 +212,14 @@ def paired_cpu(server: str, what: str, side: str) -> Callable[[], str]:
     return value
 
 
+def paired_client_ratio(server: str, what: str) -> Callable[[], str]:
+    """How many times the one node's client CPU per call the cluster's client spent (p50s)."""
+    def value() -> str:
+        cpu = paired_run(server, what)["client_cpu_ms_p50"]
+        return f"{cpu['cluster'] / cpu['one node']:.1f}x"
+    return value
+
+
 def paired_budget(server: str, cores: int = 2, target: float = 1.5) -> Callable[[], str]:
     """The CPU a cluster write batch took (client thread, masters, replicas) against what
     ``cores`` cores supply within ``target`` times the one node's COMMIT p50: whether the
@@ -577,6 +585,7 @@ FIGURES: dict[str, Callable[[], str]] = {
     "cluster.cpu.commit.masters": paired_cpu("redis-server", "commit", "cluster masters"),
     "cluster.cpu.commit.replicas": paired_cpu("redis-server", "commit", "cluster replicas"),
     "cluster.paired_commit.valkey": paired_cluster("valkey-server", "commit"),
+    "cluster.cpu.probe.client_ratio": paired_client_ratio("redis-server", "probe"),
     "cluster.cpu.commit.budget.redis": paired_budget("redis-server"),
     "cluster.cpu.commit.budget.valkey": paired_budget("valkey-server"),
     "loadtest.vs_none.returning": pair("loadtest", "l2+tierstore / no-hicache: returning-turn TTFT"),
