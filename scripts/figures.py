@@ -480,6 +480,19 @@ def caller_fit(op: str, term: str, engine: str = "new", clock: str = "caller_us"
     return lambda: us(load("bench_caller/bench_caller.json")["summary"][engine][op][clock][term])
 
 
+def caller_gil(op: str, term: str) -> Callable[[], str]:
+    """One fitted term of what this engine's ``op`` takes from bench_caller's spinning Python thread."""
+    return lambda: us(load("bench_caller/bench_caller.json")["summary"]["new"]["gil"][op][term])
+
+
+def caller_sizes(key: str) -> Callable[[], str]:
+    """bench_caller's batch sizes (``sizes``), or those its fit is over (``fit_sizes``), as a list in words."""
+    def value() -> str:
+        *rest, last = [str(k) for k in load("bench_caller/bench_caller.json")[key]]
+        return f"{', '.join(rest)} and {last}" if rest else last
+    return value
+
+
 def caller_table() -> str:
     """performance.md's table of bench_caller: CPU per call and per page, on SGLang's thread and in
     the whole process, baseline and this engine, and the ratio at the batch sizes."""
@@ -500,6 +513,29 @@ def caller_table() -> str:
     return "\n" + "\n".join(rows) + "\n"
 
 
+def caller_gil_table() -> str:
+    """performance.md's table of bench_caller's GIL phase: what a call takes from a Python thread
+    spinning beside it, per call and per page, baseline and this engine."""
+    d = load("bench_caller/bench_caller.json")
+    s, base, new = d["summary"], d["commits"]["base"], d["commits"]["new"]
+    rows = [f"| call | GIL taken from the spinning thread, per call: {base} → {new} | per page: {base} → {new} |",
+            "|---|---|---|"]
+    for op, call in CALLS.items():
+        c, p = s["base"]["gil"][op], s["new"]["gil"][op]
+        rows.append(f"| `{call}` | {us(c['per_call_us'])} → {us(p['per_call_us'])} | "
+                    f"{us(c['per_page_us'])} → {us(p['per_page_us'])} |")
+    return "\n" + "\n".join(rows) + "\n"
+
+
+def caller_idle(key: str) -> Callable[[], str]:
+    """What this engine's idle threads cost per second in bench_caller: the GIL taken
+    (``gil``) or one thread's CPU (its name)."""
+    def value() -> str:
+        g = load("bench_caller/bench_caller.json")["summary"]["new"]["gil"]
+        return us(g["idle_us_per_s"] if key == "gil" else g["idle_cpu_us_per_s"][key])
+    return value
+
+
 def within(i: Mapping[str, float], limit: float, unit: str, what: str) -> str:
     """Whether a figure meets an upper bound: by its whole 95% interval, by its median only, or not."""
     fmt = (lambda v: f"{v:.2f}{unit}") if unit == "x" else (lambda v: f"{v:.1f} {unit}")
@@ -508,7 +544,8 @@ def within(i: Mapping[str, float], limit: float, unit: str, what: str) -> str:
     if i["median"] <= limit:
         return (f"{what}: the median {fmt(i['median'])} is within {fmt(limit)}, but the interval reaches "
                 f"{fmt(i['hi'])}, so the runs do not exclude more")
-    return f"{what}: missed ({fmt(i['median'])}, {fmt(i['lo'])}-{fmt(i['hi'])}, against at most {fmt(limit)})"
+    span = f"{fmt(i['median'])}, {fmt(i['lo'])}-{fmt(i['hi'])}" if unit == "x" else us(i)
+    return f"{what}: missed ({span}, against at most {fmt(limit)})"
 
 
 def interference_targets() -> str:
@@ -518,8 +555,10 @@ def interference_targets() -> str:
     caller = load("bench_caller/bench_caller.json")["summary"]["new"]
     parts = [within(pairs[f"l2+tierstore / l2+file: {k}"], 1.03, "x", name)
              for k, name in (("decode inter-token latency", "decode ITL"), ("first-turn TTFT", "first-turn TTFT"))]
+    verbs = (("set", "written"), ("get", "read"), ("exists", "probed"))
     parts += [within(caller[op]["caller_us"]["per_page_us"], 10.0, "us", f"CPU per page {verb} on the caller")
-              for op, verb in (("set", "written"), ("get", "read"), ("exists", "probed"))]
+              for op, verb in verbs]
+    parts += [within(caller["gil"][op]["per_page_us"], 10.0, "us", f"GIL taken per page {verb}") for op, verb in verbs]
     return "; ".join(parts)
 
 
@@ -603,7 +642,17 @@ FIGURES: dict[str, Callable[[], str]] = {
     "interference.first.l2": pair("interference", "l2+tierstore / l2: first-turn TTFT"),
     "interference.returning.file": pair("interference", "l2+tierstore / l2+file: returning-turn TTFT"),
     "caller.table": caller_table,
+    "caller.sizes": caller_sizes("sizes"),
+    "caller.fit_sizes": caller_sizes("fit_sizes"),
+    "caller.gil_table": caller_gil_table,
+    "caller.gil.idle": caller_idle("gil"),
+    "caller.cpu.idle.housekeeping": caller_idle("tierstore-housekeeping"),
+    "caller.cpu.idle.io": caller_idle("tierstore-io"),
+    "caller.gil.set.per_page": caller_gil("set", "per_page_us"),
+    "caller.gil.get.per_page": caller_gil("get", "per_page_us"),
+    "caller.gil.exists.per_page": caller_gil("exists", "per_page_us"),
     "interference.targets": interference_targets,
+    "interference.rounds": lambda: str(load("interference/rounds.json")["rounds"]),
     "caller.set.per_page": caller_fit("set", "per_page_us"),
     "caller.get.per_page": caller_fit("get", "per_page_us"),
     "caller.exists.per_page": caller_fit("exists", "per_page_us"),

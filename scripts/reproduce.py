@@ -80,7 +80,7 @@ JOBS: tuple[Job, ...] = (
         ("--tree", "engine=.", "--runs", "1", "--pages", "3000", "--out", "{dir}/check_cost.json"),
         ("check_cost.json", "check_cost.txt"), "check_cost.txt", 4),
     Job("bench_caller", "bench_caller.py", ("--base", "5d013e9", "--runs", "6", "--out", "{dir}/bench_caller.json"),
-        ("--quick", "--out", "{dir}/bench_caller.json"), ("bench_caller.json", "bench_caller.txt"), "bench_caller.txt", 4),
+        ("--quick", "--out", "{dir}/bench_caller.json"), ("bench_caller.json", "bench_caller.txt"), "bench_caller.txt", 8),
     Job("bench_index", "bench_index.py", ("--out", "{dir}"), ("--quick", "--out", "{dir}"),
         ("bench_index.json", "bench_index.txt"), "bench_index.txt", 25),
     Job("stress", "stress.py", ("--procs", "3", "--threads", "2", "--seconds", "600", "--seed", "1", "--json", "{dir}/stress.json"),
