@@ -93,4 +93,9 @@ class PagePlan:
         return [mem[start + a : start + b] for a, b in self._spans]
 
     def regions_many(self, token_indices: Sequence[int]) -> list[list[memoryview]]:
-        return [self.regions(i) for i in token_indices]
+        """:meth:`regions` of each page, in one loop (the hot path's, once per page)."""
+        ps, n, stride, mem, spans = self.page_size, self.num_pages * self.page_size, self._stride, self._mem, self._spans
+        bad = next((i for i in token_indices if i % ps or not 0 <= i < n), None)
+        if bad is not None:
+            raise IndexError(f"host index {bad} is not a page start in this pool")
+        return [[mem[s + a : s + b] for a, b in spans] for s in (i // ps * stride for i in token_indices)]

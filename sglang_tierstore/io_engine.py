@@ -1,14 +1,17 @@
-"""Parallel page I/O: runs one function per item over a pool of threads, reads first.
+"""Parallel page I/O: runs a batch's items over a pool of threads, a claim at a time, reads first.
 
-preadv/pwritev release the GIL, so ``threads`` workers keep that many requests in
-flight (the queue depth NVMe needs). The caller's thread waits once per batch, woken
-when its last item is done (or at its deadline), not once per item: it shares the GIL
-and the cores with SGLang's scheduler, so what an item needs beside its I/O (the
-pages' checksums; xxhash releases the GIL) runs in the item, on the worker. That keeps
-a worker off the disk while it hashes (about as long as a core takes to hash what the
-I/O moved), and spreads the hashing of a large batch over the workers instead of one
-thread. A failure stays with its item: an outcome is the function's value or the
-exception it raised.
+A worker hands each claim (a stretch of a batch's items) to the batch's work function
+in one call, which may run the whole claim without the GIL (``pagefile``'s C helper
+does: every preadv/pwritev and checksum of the claim in one release), so ``threads``
+workers keep that many requests in flight (the queue depth NVMe needs) and take the
+GIL, which they share with SGLang's scheduler, once per claim rather than once per
+syscall or page: each time a thread takes the GIL back costs a thread spinning in
+Python beside it tens of microseconds (docs/performance.md, "The GIL"). The caller's
+thread waits once per batch, woken when its last item is done (or at its deadline).
+What an item needs beside its I/O (its pages' checksums) runs in the item, on the
+worker, spreading the hashing of a large batch over the workers. A failure stays with
+its item: an outcome is the value the work function gave it or the error it met (a work
+function that raises, a bug, gives its exception to every item it was handed).
 
 Scheduling. SGLang prefetches (reads a waiting request needs before its first token)
 and backs up (write-through of pages already in host memory) on different threads at
@@ -20,8 +23,10 @@ of at most ``MAX_RUN_BYTES`` (with the hash of the pages a unit writes), cutting
 larger than that into pieces and hashing such a page in a unit of its own. A worker
 claims an even share of a write batch, a contiguous stretch (sequential writes per
 thread; threads taking turns at single units wrote large pages more slowly), but between
-units it hands the rest of its claim back as soon as a read is queued: first in line, and cut into even shares again, so that once the
-reads are done it spreads over every free thread. So a read arriving while every thread
+units (the work function looks at the engine's "reads queued" flag between items, without
+the GIL) it hands the rest of its claim back as soon as a read is queued: first in line,
+and cut into even shares again, so that once the reads are done it spreads over every
+free thread. So a read arriving while every thread
 is writing waits for at most one small write unit per thread, never for the rest of a
 backup, as long as at most ``reads_per_write`` read claims wait in a row (8 MiB of
 pages up to 1 MiB, with the defaults); beyond that one write unit goes through after
@@ -37,12 +42,12 @@ stream of reads that never lets up; claims, not bytes: a read claim of 8 MiB pag
 one page, a write claim given way at once is one 1 MiB unit). With no reads waiting,
 every worker writes, as before.
 
-Reads are claimed a few items at a time (about ``CLAIM_BYTES``, and no more than an
-even share of the batch per thread): the per-item cost is a function call, with a lock
-taken once per claim, not a future per item, and a read batch spreads over whichever
-threads are free. A batch too small to share (or any batch, with one thread) runs
-inline, in the caller's thread, instead of paying thread hand-offs: it waits in no
-queue, read or write.
+Reads are claimed several items at a time (about ``CLAIM_BYTES``, and no more than an
+even share of the batch per thread): a claim costs one call and one lock, not a future
+per item, and a read batch spreads over whichever threads are free. A batch too small
+to share (under ``INLINE_BYTES``, or any batch with one thread) runs inline, in the
+caller's thread, instead of paying thread hand-offs: it waits in no queue, read or
+write.
 
 Giving up on a disk that stops answering: a preadv in a thread cannot be cancelled,
 and a late one would land wherever it was told to, long after the caller has moved
@@ -69,8 +74,11 @@ A = TypeVar("A")
 R = TypeVar("R")
 
 Outcome = Union[R, BaseException]
+Stop = Sequence[bytearray]  # flags a work function looks at between items: it stops once a first byte is set
+Work = Callable[[Sequence[A], Stop], "Sequence[Outcome[R]]"]
 
-CLAIM_BYTES = 1 << 20  # what a worker takes from a read batch at a time (and half what a batch must move to be shared)
+CLAIM_BYTES = 4 << 20  # what a worker takes from a read batch at a time (at most an even share of it)
+INLINE_BYTES = 2 << 20  # a batch moving less runs in the caller's thread
 READS_PER_WRITE = 8  # claims that go to reads, while writes wait, before one goes to a write
 _PR_SET_NAME = 15  # prctl option (Linux)
 
@@ -85,11 +93,23 @@ def name_os_thread(name: str) -> None:
         pass
 
 
+def each(fn: Callable[[A], R]) -> Work[A, R]:
+    """A work function that runs ``fn`` on the first item of what it is given (the engine
+    calls it again for the next, recording each outcome as it comes): ``fn``'s value or
+    the exception it raised."""
+    def work(items: Sequence[A], stop: Stop) -> list[Outcome[R]]:
+        try:
+            return [fn(items[0])]
+        except BaseException as e:  # kept per item (the caller decides what it means)
+            return [e]
+    return work
+
+
 class Batch(Generic[R]):
     """The items of one ``IOEngine.submit``, running or done."""
 
-    def __init__(self, fn: Callable[[A], R], items: Sequence[A], claim: int = 1, write: bool = False) -> None:
-        self._fn = fn
+    def __init__(self, work: Work[A, R], items: Sequence[A], claim: int = 1, write: bool = False) -> None:
+        self._work = work
         self._items = items
         self._n = len(items)
         self._claim = claim
@@ -99,6 +119,7 @@ class Batch(Generic[R]):
         self._next = 0
         self._returned: list[tuple[int, int]] = []
         self._cancelled = False
+        self._stop = bytearray(1)  # set with _cancelled, for work running without the GIL
         self._cond = threading.Condition()  # guards _outcomes and _active, and _cancelled once settling
         self._outcomes: dict[int, Outcome[R]] = {}
         self._active = 0  # threads inside _run
@@ -114,36 +135,40 @@ class Batch(Generic[R]):
         self._next = min(self._n, first + self._claim)
         return first, self._next
 
-    def _run(self, first: int, stop: int, give_way: Optional[Callable[[], bool]] = None) -> int:
-        """Run items [first, stop); return where it stopped: ``stop``, or the first item
-        not run because ``give_way()`` said so (asked between items)."""
+    def _run(self, first: int, stop: int, give_way: Optional[bytearray] = None) -> int:
+        """Run items [first, stop), calling the work function on what is left until it is
+        done (its outcomes recorded after each call); return where it stopped: ``stop``,
+        or the first item not run because ``give_way`` was set (looked at between items,
+        by the work function too). Once cancelled, no item starts (a stalled disk gets
+        no new requests). One notify, once the batch's last outcome or last thread is in."""
+        flags = (self._stop,) if give_way is None else (self._stop, give_way)
+        k = first
         with self._cond:
             self._active += 1
         try:
-            for k in range(first, stop):
-                if self._cancelled:  # nobody waits for it any more: a stalled disk gets no new requests
-                    break
-                if k > first and give_way is not None and give_way():
-                    return k
+            while k < stop and not self._cancelled and not (k > first and give_way is not None and give_way[0]):
                 try:
-                    out: Outcome[R] = self._fn(self._items[k])
-                except BaseException as e:  # kept per item (the caller decides what it means),
-                    out = e  # and always reported: the caller waits for every item
+                    outs = self._work(self._items[k:stop], flags)
+                except BaseException as e:  # a bug in the work function: every item it was given gets it
+                    outs = [e] * (stop - k)  # (always reported: the caller waits for every item)
+                if not 0 < len(outs) <= stop - k:
+                    outs = [RuntimeError(f"{len(outs)} outcomes for {stop - k} items")] * (stop - k)
                 with self._cond:
-                    self._outcomes[k] = out
-                    if len(self._outcomes) == self._n:
-                        self._cond.notify_all()
-            return stop
+                    self._outcomes.update(zip(range(k, k + len(outs)), outs))
+                k += len(outs)
+            return stop if self._cancelled else k
         finally:
             with self._cond:
                 self._active -= 1
-                if not self._active:
+                if not self._active or len(self._outcomes) == self._n:
                     self._cond.notify_all()
 
     def wait(self, deadline: Optional[float] = None) -> dict[int, Outcome[R]]:
         """Item position -> outcome of the items done, once every item is, or at
         ``deadline`` (``time.monotonic()``) if one is given: items not done by then are
-        left out. One wake-up of the caller, however many items."""
+        left out, and so are those a call of the work function still running was handed
+        (outcomes are recorded as each call returns). One wake-up of the caller, however
+        many items."""
         with self._cond:
             if deadline is None:
                 self._cond.wait_for(self._all_done)
@@ -162,6 +187,7 @@ class Batch(Generic[R]):
     def cancel(self) -> None:
         """Items not started yet never start (a running one cannot be stopped)."""
         self._cancelled = True
+        self._stop[0] = 1
 
     def __enter__(self) -> Batch[R]:
         return self
@@ -178,7 +204,7 @@ class Batch(Generic[R]):
         waiting for every item is; a caller that may give up on a stalled disk gives one
         (or cancels instead)."""
         with self._cond:
-            self._cancelled = True
+            self.cancel()
             if deadline is None:
                 return self._cond.wait_for(lambda: not self._active)
             return self._cond.wait_for(lambda: not self._active, max(0.0, deadline - mod_time.monotonic()))
@@ -255,29 +281,37 @@ class IOEngine:
         self._reads: deque[Batch[object]] = deque()
         self._writes: deque[Batch[object]] = deque()
         self._reads_in_a_row = 0  # read claims since the last write claim, while writes waited
+        self._reads_queued = bytearray(1)  # whether a read batch is queued: writes give way when set
         self._closing = False
         self._threads = [threading.Thread(target=self._work, name=f"tierstore-io_{i}", daemon=True) for i in range(threads)]
         for t in self._threads:
             t.start()
 
-    def submit(self, fn: Callable[[A], R], items: Sequence[A], item_bytes: int, inline: bool = True,
+    def submit(self, work: Work[A, R], items: Sequence[A], item_bytes: int, inline: bool = True,
                write: bool = False) -> Batch[R]:
-        """Start ``fn`` over ``items`` (each moving about ``item_bytes``), as reads or as
-        ``write``s (which wait while reads are queued: a write item should be one small
-        I/O, see the module docstring). A batch too small to share runs inline, done
-        when this returns, unless ``inline`` is False (a caller that may give up must
-        not be the one stuck in a preadv)."""
+        """Start ``work`` over ``items`` (each moving about ``item_bytes``), a claim per
+        call, as reads or as ``write``s (which wait while reads are queued: a write item
+        should be one small I/O, see the module docstring). ``work(claim, stop)`` returns
+        the outcomes of a prefix of its claim, its first item at least, stopping before
+        an item once a ``stop`` flag is set (:func:`each` makes one of a function per
+        item). A batch too small to share runs inline, done when this returns, unless
+        ``inline`` is False (a caller that may give up must not be the one stuck in a
+        preadv)."""
         n = len(items)
         share = -(-n // self.threads)
         claim = share if write else max(1, min(share, CLAIM_BYTES // max(1, item_bytes)))
-        batch: Batch[R] = Batch(fn, items, claim, write)
-        if not n or (inline and (self.threads == 1 or n == 1 or n * item_bytes < 2 * CLAIM_BYTES)):
+        batch: Batch[R] = Batch(work, items, claim, write)
+        if not n or (inline and (self.threads == 1 or n == 1 or n * item_bytes < INLINE_BYTES)):
             batch._run(0, n)
             return batch
         with self._cond:
             if self._closing:
                 raise RuntimeError("I/O engine closed")
-            (self._writes if write else self._reads).append(batch)  # type: ignore[arg-type]
+            if write:
+                self._writes.append(batch)  # type: ignore[arg-type]
+            else:
+                self._reads.append(batch)  # type: ignore[arg-type]
+                self._reads_queued[0] = 1
             self._cond.notify(min(self.threads, -(-n // batch._claim)))
         return batch
 
@@ -287,6 +321,7 @@ class IOEngine:
         for q in (self._reads, self._writes):
             while q and not q[0]._unclaimed():
                 q.popleft()
+        self._reads_queued[0] = bool(self._reads)
         if self._writes and (not self._reads or self._reads_in_a_row >= self._reads_per_write):
             q, self._reads_in_a_row = self._writes, 0
         elif self._reads:
@@ -297,10 +332,8 @@ class IOEngine:
         first, stop = batch._take()
         if not batch._unclaimed():
             q.popleft()  # so that a read queued means a read waiting
+            self._reads_queued[0] = bool(self._reads)
         return batch, first, stop
-
-    def _reads_waiting(self) -> bool:
-        return bool(self._reads)  # read without the lock: a hint, checked again under it
 
     def _work(self) -> None:
         name_os_thread("tierstore-io")
@@ -311,7 +344,7 @@ class IOEngine:
                         return
                     self._cond.wait()
             batch, first, stop = job
-            left = batch._run(first, stop, self._reads_waiting if batch.write else None)
+            left = batch._run(first, stop, self._reads_queued if batch.write else None)
             if left < stop:
                 self._hand_back(batch, left, stop)
 

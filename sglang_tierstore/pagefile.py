@@ -26,7 +26,9 @@ write that leaves the index alone.
 
 A slot holds the page's bytes and nothing else, so a run of pages in adjacent slots
 moves in one ``preadv``/``pwritev``. The index vouches for what a slot holds: its
-entry carries the xxh3 checksum of the bytes.
+entry carries the xxh3 checksum of the bytes. :meth:`PageFiles.transfer` moves a claim
+of runs and checksums the pages moved, all in one release of the GIL where the package
+was built with its C helper (``_pageio``), and run by run from Python where it was not.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import os
 import re
 import threading
 from contextlib import contextmanager
-from typing import Iterator, Mapping, NamedTuple, Optional, Sequence
+from typing import Iterator, Mapping, NamedTuple, Optional, Sequence, Union
 
 import xxhash
 
@@ -57,7 +59,19 @@ _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c
 _FILE_RE = re.compile(r"^f(\d{6,})\.pages$")
 
 
+try:
+    from sglang_tierstore import _pageio
+except ImportError:  # built without its C helper (no compiler at install): pages move from Python
+    _pageio = None
+
+READ, WRITE, HASH = 0, 1, 2  # what a Transfer does (the C helper's numbers)
+_SKIP = 3  # (the C helper's no-op: an op whose file could not be opened)
+_READ_ONLY = "these page files are open for reading only"
+assert _pageio is None or (_pageio.READ, _pageio.WRITE, _pageio.HASH, _pageio.SKIP) == (READ, WRITE, HASH, _SKIP)
+
+
 def checksum(regions: Sequence[memoryview]) -> int:
+    """xxh3-64 of the concatenated ``regions``."""
     if len(regions) == 1:
         return xxhash.xxh3_64_intdigest(regions[0])
     h = xxhash.xxh3_64()
@@ -66,12 +80,48 @@ def checksum(regions: Sequence[memoryview]) -> int:
     return h.intdigest()
 
 
+def checksums(bufs: Sequence[memoryview], spans: Sequence[int]) -> list[int]:
+    """The checksum of each span: consecutive byte counts over the concatenated ``bufs``."""
+    out: list[int] = []
+    rest = iter(bufs)
+    cur = memoryview(b"")
+    for n in spans:
+        parts = []
+        while n:
+            while not len(cur):
+                cur = next(rest)
+            parts.append(cur[:n])
+            n -= len(parts[-1])
+            cur = cur[len(parts[-1]):]
+        out.append(checksum(parts))
+    return out
+
+
 class FileRef(NamedTuple):
     """Which page file to use: its number, the directory (id) holding it, its uid."""
 
     number: int
     dir_id: str
     uid: str
+
+
+class Transfer(NamedTuple):
+    """One operation of a claim: a ``READ`` (preadv) or ``WRITE`` (pwritev) of ``nbytes`` at
+    ``offset`` of page file ``ref`` through ``bufs`` (adjacent slots; ``aligned``: every
+    buffer 4 KiB aligned, so O_DIRECT may be used), or ``HASH`` (no I/O, no file); then the
+    checksum of each of ``spans`` (byte counts, consecutive from the start of ``bufs``: a
+    run's pages) once every byte has moved."""
+
+    kind: int
+    ref: Optional[FileRef]
+    offset: int
+    bufs: Sequence[memoryview]
+    nbytes: int
+    aligned: bool
+    spans: Sequence[int]
+
+
+Moved = Union[list[int], Exception]  # a Transfer's outcome: its spans' checksums, or why it failed
 
 
 class _Open:
@@ -93,6 +143,8 @@ class _Open:
 
 class PageFiles:
     """Open page files of one store, positioned I/O of runs of slots."""
+
+    native = _pageio is not None  # transfer() through the C helper (a subclass that intercepts read and write sets False)
 
     def __init__(self, identity: Mapping[str, object], dirs: Mapping[str, str], o_direct: bool,
                  modes: Modes = PRIVATE, read_only: bool = False, shared: Optional[bool] = False) -> None:
@@ -119,7 +171,7 @@ class PageFiles:
 
     def _writable(self, what: str) -> None:
         if self.read_only:
-            raise PageIOError(errno.EROFS, f"{what}: these page files are open for reading only")
+            raise PageIOError(errno.EROFS, f"{what}: {_READ_ONLY}")
 
     # -- naming --------------------------------------------------------------------
 
@@ -198,20 +250,27 @@ class PageFiles:
     @contextmanager
     def _using(self, ref: FileRef) -> Iterator[_Open]:
         """An open handle, held for the duration of one I/O."""
+        h = self._hold(ref)
+        try:
+            yield h
+        finally:
+            self._let_go(h)
+
+    def _hold(self, ref: FileRef) -> _Open:
+        """An open handle, counted as a user until :meth:`_let_go`."""
         with self._lock:
             h = self._open.get(ref.number)
             if h is not None:
                 h.users += 1
-        if h is None:
-            h = self._handle(ref)
-        try:
-            yield h
-        finally:
-            with self._lock:
-                h.users -= 1
-                last = h.retired and h.users == 0
-            if last:
-                h.close()
+                return h
+        return self._handle(ref)
+
+    def _let_go(self, h: _Open) -> None:
+        with self._lock:
+            h.users -= 1
+            last = h.retired and h.users == 0
+        if last:
+            h.close()
 
     def _handle(self, ref: FileRef) -> _Open:
         """Open a file (counted as one user). The open and the header read run outside
@@ -355,18 +414,87 @@ class PageFiles:
 
     # -- I/O ---------------------------------------------------------------------------
 
+    def transfer(self, ops: Sequence[Transfer], stop: Sequence[bytearray] = ()) -> list[Moved]:
+        """Run ``ops`` in order; the outcome of each: its spans' checksums, or the
+        :class:`PageIOError` (:class:`FileGone`) it met, as :meth:`read` and :meth:`write`
+        raise them. Outcomes of a prefix of ``ops``: before each op but the first, this
+        stops once a ``stop`` flag (a bytearray's first byte) is set. With the C helper
+        the whole claim runs in one release of the GIL (only opening a file not open yet
+        takes Python); without it, op by op through :meth:`read` and :meth:`write`."""
+        if _pageio is None or not self.native:
+            return self._transfer_each(ops, stop)
+        held: dict[int, Union[_Open, PageIOError]] = {}  # each file the claim uses, opened once (or why not)
+        failed: dict[int, PageIOError] = {}
+        paths: list[str] = []
+        calls: list[tuple[int, int, int, Sequence[memoryview], Sequence[int], int, int]] = []
+        try:
+            for i, op in enumerate(ops):
+                paths.append("")
+                if op.kind == HASH:
+                    calls.append((HASH, -1, 0, op.bufs, op.spans, 0, 0))
+                    continue
+                assert op.ref is not None
+                h = held.get(op.ref.number)
+                if op.kind == WRITE and self.read_only:
+                    h = PageIOError(errno.EROFS, f"cannot write page file {op.ref.number}: {_READ_ONLY}")
+                elif h is None:
+                    try:
+                        h = held[op.ref.number] = self._hold(op.ref)
+                    except PageIOError as e:
+                        h = held[op.ref.number] = e
+                if isinstance(h, PageIOError):
+                    failed[i] = h
+                    calls.append((_SKIP, -1, 0, (), (), 0, 0))
+                    continue
+                fd = h.dfd if op.aligned and h.dfd >= 0 else h.fd
+                lo, n = _cached_range(op.offset, op.nbytes) if op.kind == READ and self.shared and fd == h.fd else (0, 0)
+                paths[i] = h.path
+                calls.append((op.kind, fd, op.offset, op.bufs, op.spans, lo, n))
+            done = _pageio.transfer(calls, stop)
+        finally:
+            for h in held.values():
+                if isinstance(h, _Open):
+                    self._let_go(h)
+        out: list[Moved] = []
+        for i, (op, (err, n, sums)) in enumerate(zip(ops, done)):
+            verb = "read" if op.kind == READ else "write"
+            if i in failed:
+                out.append(failed[i])
+            elif err:
+                out.append(PageIOError(err, f"{verb} at {op.offset} of {paths[i]} failed: {os.strerror(err)}"))
+            elif op.kind != HASH and n != op.nbytes:
+                out.append(_short(verb, op.offset, paths[i], n, op.nbytes))
+            else:
+                out.append(list(sums))
+        return out
+
+    def _transfer_each(self, ops: Sequence[Transfer], stop: Sequence[bytearray]) -> list[Moved]:
+        out: list[Moved] = []
+        for op in ops:
+            if out and any(f[0] for f in stop):
+                break
+            try:
+                if op.kind == READ:
+                    self.read(op.ref, op.offset, op.bufs, op.nbytes, op.aligned)  # type: ignore[arg-type]
+                elif op.kind == WRITE:
+                    self.write(op.ref, op.offset, op.bufs, op.nbytes, op.aligned)  # type: ignore[arg-type]
+                out.append(checksums(op.bufs, op.spans))
+            except PageIOError as e:  # what the C helper reports too (anything else is a bug: the engine
+                out.append(e)  # gives it to every op of the claim)
+        return out
+
     def read(self, ref: FileRef, offset: int, bufs: Sequence[memoryview], nbytes: int, aligned: bool) -> None:
         """Read ``nbytes`` at ``offset`` into ``bufs`` (adjacent slots) with one preadv."""
         with self._using(ref) as h:
             fd = h.dfd if aligned and h.dfd >= 0 else h.fd
             try:
                 if self.shared and fd == h.fd:  # what this node's cache may still hold of it (best effort)
-                    _drop_cached(fd, offset, nbytes)
+                    _drop_cached(fd, *_cached_range(offset, nbytes))
                 n = os.preadv(fd, bufs, offset)
             except OSError as e:
                 raise PageIOError(e.errno, f"read at {offset} of {h.path} failed: {e.strerror}") from e
         if n != nbytes:  # files never change size: a filesystem that shows a lagging length (a miss, nothing dropped)
-            raise PageIOError(errno.EIO, f"short read at {offset} of {h.path} ({n} of {nbytes} bytes)")
+            raise _short("read", offset, h.path, n, nbytes)
 
     def read_uncached(self, ref: FileRef, offset: int, nbytes: int) -> bytes:
         """The bytes at ``offset`` as the filesystem has them now, not as this node's page
@@ -382,7 +510,7 @@ class PageFiles:
                         return bytes(buf[: min(n, nbytes)])
                     finally:
                         buf.close()
-                _drop_cached(h.fd, offset, nbytes)
+                _drop_cached(h.fd, *_cached_range(offset, nbytes))
                 return os.pread(h.fd, nbytes, offset)
             except OSError as e:
                 raise PageIOError(e.errno, f"read at {offset} of {h.path} failed: {e.strerror}") from e
@@ -397,7 +525,7 @@ class PageFiles:
             except OSError as e:
                 raise PageIOError(e.errno, f"write at {offset} of {h.path} failed: {e.strerror}") from e
         if n != nbytes:
-            raise PageIOError(errno.EIO, f"short write at {offset} of {h.path} ({n} of {nbytes} bytes)")
+            raise _short("write", offset, h.path, n, nbytes)
 
     def sync(self, ref: FileRef) -> None:
         with self._using(ref) as h:
@@ -432,6 +560,10 @@ class PageFiles:
             self.forget(f)
 
 
+def _short(verb: str, offset: int, path: str, n: int, nbytes: int) -> PageIOError:
+    return PageIOError(errno.EIO, f"short {verb} at {offset} of {path} ({n} of {nbytes} bytes)")
+
+
 def _pwritev_all(fd: int, bufs: Sequence[memoryview], off: int, length: int) -> int:
     """pwritev, finishing a partial write (signal, near-full disk) with pwrite."""
     n = os.pwritev(fd, bufs, off)
@@ -458,13 +590,18 @@ SHARED_TYPES = frozenset({"nfs", "nfs4", "ceph", "lustre", "9p", "cifs", "smb3",
                           "fuse.blobfuse2"})
 
 
-def _drop_cached(fd: int, offset: int, nbytes: int) -> None:
-    """Ask the kernel to forget its cached pages of a range (best effort: pages the range
-    only partly covers, or large folios, may stay; :meth:`PageFiles.read_uncached` reads
-    through O_DIRECT where it can). Widened to 2 MiB boundaries for that reason."""
+def _cached_range(offset: int, nbytes: int) -> tuple[int, int]:
+    """(offset, length) to drop from the page cache before reading a range: widened to 2 MiB
+    boundaries, as the kernel keeps pages a range only partly covers, or large folios
+    (best effort still: :meth:`PageFiles.read_uncached` reads through O_DIRECT where it can)."""
     lo = offset // _FOLIO * _FOLIO
+    return lo, (offset + nbytes + _FOLIO - 1) // _FOLIO * _FOLIO - lo
+
+
+def _drop_cached(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to forget its cached pages of a range (best effort)."""
     try:
-        os.posix_fadvise(fd, lo, (offset + nbytes + _FOLIO - 1) // _FOLIO * _FOLIO - lo, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
     except OSError:
         pass
 

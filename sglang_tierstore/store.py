@@ -31,9 +31,9 @@ from sglang_tierstore.errors import (
     TierStoreError,
 )
 from sglang_tierstore.index import RedisIndex
-from sglang_tierstore.io_engine import Gate, IOEngine, Outcome
+from sglang_tierstore.io_engine import Gate, IOEngine, Outcome, each
 from sglang_tierstore.metrics import Metrics, RateLimitedLog
-from sglang_tierstore.pagefile import PageFiles, checksum
+from sglang_tierstore.pagefile import HASH, READ, WRITE, Moved, PageFiles, Transfer, checksum
 from sglang_tierstore.perms import modes, redis_password, redis_tls
 from sglang_tierstore.schema import (
     ENTRY,
@@ -165,6 +165,10 @@ class TierStore:
         self.io = IOEngine(cfg.io_threads)
         self.metrics = metrics if metrics is not None else Metrics()
         self.log = RateLimitedLog(logger, cfg.log_interval_s)
+        if not PageFiles.native and not observe:
+            self.log.warning("no_c_helper", "tierstore runs without its C helper (sglang_tierstore._pageio: not built, "
+                             "or xxhash's xxh3 functions not found): pages move from Python, taking the GIL from SGLang's "
+                             "threads once per I/O and per page hashed (reinstall where a C compiler is found)")
         self.space = Space(cfg, self.index, modes(cfg.file_access), secrets.token_hex(6), self.metrics, self.log, clock,
                            observe, page_files)
         self._namespaces: dict[str, Namespace] = {}
@@ -332,9 +336,9 @@ class TierStore:
                                  "the index by someone else, or the store's entry key changed): dropped", fields[i].hex())
                 continue
             entries[i] = e
-        refs = a.files.refs({g.file_of(e.region) for e in entries.values()})
-        pages = [Place(i, refs[g.file_of(e.region)], g.slot_offset(e.region, e.slot, ns.page_bytes))
-                 for i, e in entries.items() if g.file_of(e.region) in refs]
+        at = g.places([(e.region, e.slot) for e in entries.values()], ns.page_bytes)
+        refs = a.files.refs({f for f, _ in at})
+        pages = [Place(i, refs[f], off) for i, (f, off) in zip(entries, at) if f in refs]
         runs = self._runs(pages, ns.page_bytes, len(dests[0]) if dests else 1)
         read_runs = self._read_staged if self.cfg.read_timeout_s else self._read_direct
         for k, o in read_runs(a, runs, dests, ns.page_bytes, aligned).items():
@@ -356,7 +360,7 @@ class TierStore:
         self.metrics.pages("read", "hit", hits)
         self.metrics.pages("read", "miss", len(keys) - hits)
         self.metrics.bytes("read", hits * ns.page_bytes)
-        a.touch(entries[i].region for i in range(lead) if results[i])
+        a.touch({entries[i].region for i in range(lead) if results[i]})
         if bad:
             self._drop(a, bad)
         self.metrics.observe("read", mod_time.perf_counter() - t0)
@@ -380,21 +384,18 @@ class TierStore:
         return True
 
     def _read_direct(self, a: Attachment, runs: list[Run], dests: Sequence[Regions], page_bytes: int,
-                     aligned: bool) -> dict[int, Outcome[list[int]]]:
+                     aligned: bool) -> dict[int, Outcome[Moved]]:
         """Run position -> outcome of each run read straight into ``dests``: the
-        checksums of its pages (hashed by the thread that read them), or what it raised.
+        checksums of its pages (hashed by the thread that read them), or the error it met.
         Returns once every run is done, or, when interrupted, once none is in flight any
         more (starting no more): none lands in ``dests`` after ``read``."""
-        def read_run(run: Run) -> list[int]:
-            bufs = [m for p in run for m in dests[p.pos]]
-            a.pages.read(run[0].file, run[0].offset, bufs, len(run) * page_bytes, aligned)
-            return [checksum(dests[p.pos]) for p in run]
-
-        with self.io.submit(read_run, runs, _run_bytes(runs, page_bytes)) as batch:
+        ops = [Transfer(READ, run[0].file, run[0].offset, [m for p in run for m in dests[p.pos]], len(run) * page_bytes,
+                        aligned, [page_bytes] * len(run)) for run in runs]
+        with self.io.submit(a.pages.transfer, ops, _run_bytes(runs, page_bytes)) as batch:
             return batch.wait()
 
     def _read_staged(self, a: Attachment, runs: list[Run], dests: Sequence[Regions], page_bytes: int,
-                     aligned: bool) -> dict[int, Outcome[list[int]]]:
+                     aligned: bool) -> dict[int, Outcome[Moved]]:
         """Like :meth:`_read_direct`, but only the runs done within ``read_timeout_s``.
 
         A preadv cannot be cancelled, so runs are read into the I/O threads' staging
@@ -409,8 +410,9 @@ class TierStore:
         def read_run(run: Run) -> list[int]:
             n = len(run) * page_bytes
             buf = self.io.staging.buffer(n)
-            a.pages.read(run[0].file, run[0].offset, [buf], n, aligned)
-            sums = [checksum([buf[k * page_bytes:(k + 1) * page_bytes]]) for k in range(len(run))]
+            [sums] = a.pages.transfer([Transfer(READ, run[0].file, run[0].offset, [buf], n, aligned, [page_bytes] * len(run))])
+            if isinstance(sums, Exception):
+                raise sums
             if gate.enter():  # else given up: the bytes stay in this thread's staging buffer, and nobody
                 try:  # waits for this outcome any more
                     _scatter(buf, [dests[p.pos] for p in run])
@@ -418,7 +420,7 @@ class TierStore:
                     gate.leave()
             return sums
 
-        batch = self.io.submit(read_run, runs, _run_bytes(runs, page_bytes), inline=False)
+        batch = self.io.submit(each(read_run), runs, _run_bytes(runs, page_bytes), inline=False)
         try:
             done = batch.wait(mod_time.monotonic() + timeout)
         finally:
@@ -452,8 +454,9 @@ class TierStore:
         coalesced over adjacent slots, each run hashed by an I/O thread (the one that wrote
         it, or for a page cut into pieces, an item of its own). Nothing is
         published before its pwritev returned. With ``write_timeout_s`` (> 0) the batch
-        waits for the disk that long at most: pages not written by then are not stored,
-        and their slots are given up (dead until their region is reclaimed, which a late
+        waits for the disk that long at most: pages not written by then are not stored (nor
+        are the others of an I/O thread's claim still running then), and their slots are
+        given up (dead until their region is reclaimed, which a late
         pwritev can only turn into a checksum miss, never another key's page). A writer
         stalled past ``lease_s`` while no housekeeping renews its lease (its process's is
         stuck on the same disk, or the process is frozen) loses it: its slots stay dead
@@ -487,25 +490,23 @@ class TierStore:
         fields = entry_fields(ns.ns_id, keys)
         with a.reserve(pb, fields, outcomes) as res:
             runs = self._runs(list(res.places), pb, len(srcs[0]))
-            units: list[tuple[Run, int, list[memoryview], bool]] = []  # (run, piece offset, buffers, hashes the run)
+            units: list[Run] = []  # the run each op writes (a piece of) or hashes
+            ops: list[Transfer] = []
             for run in runs:
-                pieces = _pieces([m for p in run for m in srcs[p.pos]], MAX_RUN_BYTES)
-                units += [(run, off, piece, len(pieces) == 1) for off, piece in pieces]
-                if len(pieces) > 1:  # a page cut into pieces is hashed by an item of its own, so that a read
-                    units.append((run, 0, [], True))  # waits for at most one piece or one hash per thread
-
-            def write_unit(unit: tuple[Run, int, list[memoryview], bool]) -> Optional[list[int]]:
-                """Writes one piece (if any); hashes the run's pages if it is the run's item
-                that does (from the buffers the run is written from: they do not change
-                during the call)."""
-                run, off, piece, hashes = unit
-                if piece:
-                    a.pages.write(run[0].file, run[0].offset + off, piece, sum(map(len, piece)), aligned)
-                return [checksum(srcs[p.pos]) for p in run] if hashes else None
+                bufs = [m for p in run for m in srcs[p.pos]]  # hashed from the buffers written: they do not
+                spans = [pb] * len(run)  # change during the call
+                pieces = _pieces(bufs, MAX_RUN_BYTES)
+                if len(pieces) == 1:
+                    ops.append(Transfer(WRITE, run[0].file, run[0].offset, bufs, len(run) * pb, aligned, spans))
+                else:  # a page cut into pieces is hashed by an op of its own, so that a read waits for at most
+                    ops += [Transfer(WRITE, run[0].file, run[0].offset + off, piece, sum(map(len, piece)), aligned, [])
+                            for off, piece in pieces]  # one piece or one hash per thread
+                    ops.append(Transfer(HASH, None, 0, bufs, len(run) * pb, aligned, spans))
+                units += [run] * (len(ops) - len(units))
 
             timeout = self.cfg.write_timeout_s
             deadline = mod_time.monotonic() + timeout if timeout else None
-            batch = self.io.submit(write_unit, units, len(res.places) * pb // max(1, len(units)), inline=not timeout,
+            batch = self.io.submit(a.pages.transfer, ops, len(res.places) * pb // max(1, len(ops)), inline=not timeout,
                                    write=True)
             try:
                 finished = batch.wait(deadline)
@@ -517,7 +518,7 @@ class TierStore:
             failed: set[int] = set()
             sums: dict[int, int] = {}  # page position -> its checksum, from the item that hashed its run
             late = 0
-            for k, (run, _, _, _) in enumerate(units):
+            for k, run in enumerate(units):
                 o = finished.get(k, _LATE)
                 if o is _LATE:
                     late += len(run) * (run[0].pos not in failed)
@@ -579,6 +580,9 @@ class TierStore:
     def _check_sizes(self, ns: Namespace, keys: Sequence[str], bufs: Sequence[Regions]) -> None:
         if len(keys) != len(bufs):
             raise ValueError(f"{len(keys)} keys but {len(bufs)} page buffers")
+        pb = ns.page_bytes
+        if all(sum(map(len, regions)) == pb for regions in bufs):
+            return
         for k, regions in zip(keys, bufs):
             n = sum(map(len, regions))
             if n != ns.page_bytes:

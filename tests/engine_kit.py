@@ -18,13 +18,16 @@ Hook = Callable[..., Any]  # hook(real, *args): called instead of the real metho
 def hooked(hooks: dict[str, Hook]) -> type[PageFiles]:
     """Page files whose I/O a test may wrap while the store runs: with
     ``hooks["read"] = fn`` every ``read(*args)`` becomes ``fn(real_read, *args)``. Given
-    to a store as ``page_files`` (the store's own door for the bytes layer)."""
+    to a store as ``page_files`` (the store's own door for the bytes layer). Their
+    transfers run from Python, run by run, without the C helper."""
 
     def through(name: str, real: Hook, *args: Any) -> Any:
         hook = hooks.get(name)
         return real(*args) if hook is None else hook(real, *args)
 
     class Hooked(PageFiles):
+        native = False  # every run through read() and write(), one at a time
+
         def read(self, *args: Any) -> None:
             through("read", super().read, *args)
 

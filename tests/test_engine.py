@@ -12,7 +12,8 @@ import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, Callable
 
 import pytest
 from conftest import RedisProc, flip_byte, keys
@@ -22,6 +23,7 @@ from engine_kit import Hook, MiB, engine, hooked, housekeep, pages, read, views
 from sglang_tierstore import inspect
 from sglang_tierstore import io_engine
 from sglang_tierstore.errors import PageIOError
+from sglang_tierstore.pagefile import PageFiles
 from sglang_tierstore.schema import ALIGN
 from sglang_tierstore.store import MAX_RUN_BYTES
 
@@ -508,29 +510,36 @@ def test_a_batch_no_larger_than_a_recent_one_is_one_round_trip(cfg: dict[str, An
 
 @pytest.mark.parametrize("page_bytes,n", [(256 << 10, 12), (2 * MAX_RUN_BYTES, 4)])  # one piece; pieces and a hash item
 @pytest.mark.parametrize("read_timeout_s", [0.0, 30.0])  # reads into host memory; staged reads
-def test_a_hash_that_raises_on_an_io_thread_is_an_internal_error_and_a_miss(
+@pytest.mark.parametrize("helper", ["c", "python"])  # pagefile's transfers in the C helper; from Python, run by run
+def test_a_transfer_that_raises_on_an_io_thread_is_an_internal_error_and_a_miss(
         cfg: dict[str, Any], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, page_bytes: int, n: int,
-        read_timeout_s: float) -> None:
-    """The pages' checksums run on the I/O threads, with their preadv/pwritev (a page cut
-    into pieces is hashed by an item of its own): a bug there is counted and logged with its
+        read_timeout_s: float, helper: str) -> None:
+    """The pages' I/O and checksums run on the I/O threads, a claim at a time (a page cut
+    into pieces is hashed by an op of its own): a bug there is counted and logged with its
     traceback as an internal error, and costs the pages it touched (not stored, or misses),
-    never an exception in SGLang's thread or a wrong page; the store is whole once the hash
-    works again."""
-    from sglang_tierstore import store as store_module
+    never an exception in SGLang's thread or a wrong page; the store is whole once the
+    transfers work again."""
+    from sglang_tierstore import pagefile
 
-    st = engine(cfg, capacity_gb=64 * MiB / (1 << 30), read_timeout_s=read_timeout_s)
+    st = engine(cfg, capacity_gb=64 * MiB / (1 << 30), read_timeout_s=read_timeout_s,
+                **({} if helper == "c" else {"page_files": hooked({})}))
     try:
         ns = st.namespace({}, page_bytes)
+        assert st.space.attached().pages.native == (helper == "c")
         ks, src = keys(n, "ok"), pages(n, page_bytes, 3)
         assert st.write(ns, ks, views(src), False) == [True] * n
-        real = store_module.checksum
 
-        def bug(*args: Any) -> Any:
-            if threading.current_thread().name.startswith("tierstore-io"):
-                raise KeyError("a bug")
-            return real(*args)
+        def buggy(real: Callable[..., Any]) -> Callable[..., Any]:
+            def bug(*args: Any) -> Any:
+                if threading.current_thread().name.startswith("tierstore-io"):
+                    raise KeyError("a bug")
+                return real(*args)
+            return bug
 
-        monkeypatch.setattr(store_module, "checksum", bug)
+        if helper == "c":
+            monkeypatch.setattr(pagefile, "_pageio", SimpleNamespace(transfer=buggy(pagefile._pageio.transfer)))
+        else:
+            monkeypatch.setattr(pagefile, "checksums", buggy(pagefile.checksums))
         bad = keys(n, "bad")
         caplog.set_level(logging.WARNING, "sglang_tierstore")
         stored = st.write(ns, bad, views(pages(n, page_bytes, 4)), False)
@@ -647,3 +656,28 @@ def test_a_stale_cached_page_on_a_shared_filesystem_is_read_again_past_the_cache
             assert got == [False] and "error_stale_cache" not in st.stats()
     finally:
         st.close()
+
+
+def test_without_its_c_helper_the_store_says_so_and_moves_the_same_bytes(
+        cfg: dict[str, Any], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Installed where no C compiler was found, the store warns once and moves every page
+    from Python, with the checksums the C helper would have made: pages either wrote read
+    back through the other."""
+    caplog.set_level(logging.WARNING, "sglang_tierstore")
+    cap = 64 * MiB / (1 << 30)
+    with engine(cfg, capacity_gb=cap) as fast:
+        ns = fast.namespace({}, 256 << 10)
+        first, src = keys(16, "c"), pages(16, 256 << 10, 5)
+        assert fast.write(ns, first, views(src), False) == [True] * 16
+    assert "without its C helper" not in caplog.text
+    monkeypatch.setattr(PageFiles, "native", False)
+    with engine(cfg, capacity_gb=cap) as slow:
+        ns = slow.namespace({}, 256 << 10)
+        assert "without its C helper" in caplog.text
+        second, more = keys(16, "python"), pages(16, 256 << 10, 6)
+        assert slow.write(ns, second, views(more), False) == [True] * 16
+        assert read(slow, ns, first) == ([True] * 16, src)
+        assert read(slow, ns, second) == ([True] * 16, more)
+    monkeypatch.undo()
+    with engine(cfg, capacity_gb=cap) as fast:
+        assert read(fast, fast.namespace({}, 256 << 10), second) == ([True] * 16, more)

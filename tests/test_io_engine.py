@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from sglang_tierstore.io_engine import CLAIM_BYTES, IOEngine
+from sglang_tierstore.io_engine import CLAIM_BYTES, INLINE_BYTES, IOEngine, each
 
 HANG_S = 30.0  # a deadline for what must happen without waiting for anything else
 
@@ -30,10 +30,10 @@ def test_a_read_needs_only_the_write_units_already_running() -> None:
         assert permits.acquire(timeout=HANG_S)
 
     try:
-        writes = io.submit(write, range(64), CLAIM_BYTES, write=True)
+        writes = io.submit(each(write), range(64), CLAIM_BYTES, write=True)
         for _ in range(threads):
             assert inside.acquire(timeout=HANG_S)
-        reads = io.submit(lambda i: i, range(8), CLAIM_BYTES)
+        reads = io.submit(each(lambda i: i), range(8), CLAIM_BYTES)
         for _ in range(threads):
             permits.release()  # one more write unit per thread: the ones running now
         assert reads.wait(time.monotonic() + HANG_S) == {i: i for i in range(8)}
@@ -58,9 +58,9 @@ def test_reads_queued_behind_a_write_unit_are_served_before_the_next_one() -> No
             assert held.wait(HANG_S)
 
     try:
-        writes = io.submit(write, range(4), CLAIM_BYTES, inline=False, write=True)
+        writes = io.submit(each(write), range(4), CLAIM_BYTES, inline=False, write=True)
         assert inside.wait(HANG_S)
-        reads = io.submit(lambda i: order.append(f"r{i}"), range(3), CLAIM_BYTES, inline=False)
+        reads = io.submit(each(lambda i: order.append(f"r{i}")), range(3), CLAIM_BYTES, inline=False)
         held.set()
         reads.results()
         writes.results()
@@ -98,9 +98,9 @@ def test_the_rest_of_a_write_that_gave_way_spreads_over_the_threads_again() -> N
         assert go_read.wait(HANG_S)
 
     try:
-        writes = io.submit(write, range(8), CLAIM_BYTES, write=True)
+        writes = io.submit(each(write), range(8), CLAIM_BYTES, write=True)
         assert inside0.wait(HANG_S) and inside4.wait(HANG_S)
-        reads = io.submit(read, range(1), CLAIM_BYTES, inline=False)
+        reads = io.submit(each(read), range(1), CLAIM_BYTES, inline=False)
         go0.set()  # X gives way after unit 0 and takes the read
         assert reading.wait(HANG_S)
         go4.set()  # Y finishes 4-7, then takes the first share of 1-3
@@ -127,9 +127,9 @@ def test_writes_finish_under_reads_that_never_let_up() -> None:
         assert held.wait(HANG_S)
 
     try:
-        first = io.submit(hold, range(2), CLAIM_BYTES)
-        writes = io.submit(lambda i: done.append("w"), range(10), CLAIM_BYTES, write=True)
-        reads = [io.submit(lambda i: done.append("r"), range(2), CLAIM_BYTES) for _ in range(100)]
+        first = io.submit(each(hold), range(2), CLAIM_BYTES)
+        writes = io.submit(each(lambda i: done.append("w")), range(10), CLAIM_BYTES, write=True)
+        reads = [io.submit(each(lambda i: done.append("r")), range(2), CLAIM_BYTES) for _ in range(100)]
         held.set()
         for b in (first, writes, *reads):
             b.results()
@@ -157,7 +157,7 @@ def test_leaving_a_batch_early_waits_for_the_items_running_and_starts_no_more() 
         assert release.wait(HANG_S)
         finished.append(i)
 
-    batch = io.submit(item, range(8), CLAIM_BYTES)
+    batch = io.submit(each(item), range(8), CLAIM_BYTES)
 
     def release_once_settling() -> None:
         deadline = time.monotonic() + HANG_S
@@ -194,7 +194,7 @@ def test_a_batch_spreads_over_free_threads_in_claims_of_about_one_unit() -> None
             barrier.wait()  # the first item of each claim waits until every thread holds a claim
 
     try:
-        assert all(o is None for o in io.submit(item, range(64), CLAIM_BYTES // 16).results())
+        assert all(o is None for o in io.submit(each(item), range(64), CLAIM_BYTES // 16).results())
         claims = [{who[i] for i in range(c, c + 16)} for c in range(0, 64, 16)]
         assert all(len(c) == 1 for c in claims)  # a claim runs on one thread
         assert len(set.union(*claims)) == threads
@@ -206,9 +206,9 @@ def test_a_small_batch_runs_in_the_callers_thread_and_close_stops_every_thread()
     before = set(threading.enumerate())
     io = IOEngine(4)
     me = threading.current_thread().name
-    names = io.submit(lambda i: threading.current_thread().name, range(3), CLAIM_BYTES // 2).results()
+    names = io.submit(each(lambda i: threading.current_thread().name), range(3), INLINE_BYTES // 4).results()
     assert names == [me] * 3
-    pooled = io.submit(lambda i: threading.current_thread().name, range(4), CLAIM_BYTES).results()
+    pooled = io.submit(each(lambda i: threading.current_thread().name), range(4), INLINE_BYTES // 2).results()
     assert all(isinstance(n, str) and n.startswith("tierstore-io") for n in pooled)
     assert io.close(HANG_S)
     assert set(threading.enumerate()) <= before
@@ -217,7 +217,7 @@ def test_a_small_batch_runs_in_the_callers_thread_and_close_stops_every_thread()
 def test_a_thread_stuck_in_an_item_does_not_hold_up_interpreter_exit() -> None:
     """An I/O thread stuck in a preadv on a disk that stopped answering (here: an item
     that never returns) must not keep SGLang's process from exiting."""
-    code = ("import threading; from sglang_tierstore.io_engine import IOEngine; io = IOEngine(2); "
-            "io.submit(lambda i: threading.Event().wait(), range(2), 1 << 20, inline=False); print('exiting')")
+    code = ("import threading; from sglang_tierstore.io_engine import IOEngine, each; io = IOEngine(2); "
+            "io.submit(each(lambda i: threading.Event().wait()), range(2), 1 << 20, inline=False); print('exiting')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S)
     assert out.returncode == 0 and out.stdout.strip() == "exiting", out.stderr

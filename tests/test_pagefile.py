@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import threading
 from pathlib import Path
 
 import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from sglang_tierstore import pagefile
 from sglang_tierstore.errors import FileGone, PageIOError
-from sglang_tierstore.pagefile import FileRef, PageFiles
+from sglang_tierstore.pagefile import HASH, READ, WRITE, FileRef, PageFiles, Transfer, checksums
 
 HANG_S = 30.0
 IDENTITY = {"format": 3, "prefix": "p", "store": "0123456789abcdef", "region_bytes": 65536, "regions_per_file": 2}
@@ -102,3 +107,108 @@ def test_a_directory_is_identified_by_its_own_marker_on_the_filesystem_seen_at_s
     (d / "store.json").unlink()
     assert not files.identified("d0") and not files.identified("d9")
     files.close()
+
+
+@pytest.fixture(params=["c", "python"])
+def both(request: pytest.FixtureRequest, files: PageFiles) -> PageFiles:
+    """The same page files, transfers run by the C helper or from Python run by run."""
+    if request.param == "c":
+        assert pagefile._pageio is not None, "the C helper is not built: `pip install -e .` (needs a C compiler)"
+    files.native = request.param == "c"
+    return files
+
+
+def test_transfers_move_bytes_and_checksum_each_page_across_its_regions(both: PageFiles) -> None:
+    """A claim of writes, reads and a hash-only op: bytes land where written, and each
+    page's checksum is xxh3 of its regions concatenated, whichever buffers cut it."""
+    ref = FileRef(1, "d0", "1")
+    both.create(ref)
+    both.allocate(ref, 4096, 65536)
+    pages = [os.urandom(12288) for _ in range(3)]
+    regions = [memoryview(p)[a:b] for p in pages for a, b in ((0, 4096), (4096, 12288))]  # 2 regions a page
+    want = [xxhash.xxh3_64_intdigest(p) for p in pages]
+    out = bytearray(3 * 12288)
+    got = both.transfer([
+        Transfer(WRITE, ref, 4096, regions, 3 * 12288, False, [12288] * 3),
+        Transfer(READ, ref, 4096, [memoryview(out)[:5000], memoryview(out)[5000:]], 3 * 12288, False, [12288] * 3),
+        Transfer(HASH, None, 0, regions, 3 * 12288, False, [12288, 24576]),
+        Transfer(WRITE, ref, 4096 + 3 * 12288, regions[:1], 4096, False, []),
+    ])
+    assert got == [want, want, [want[0], xxhash.xxh3_64_intdigest(pages[1] + pages[2])], []]
+    assert bytes(out) == b"".join(pages)
+    assert checksums([memoryview(out)], [12288] * 3) == want
+    both.close()
+
+
+def test_a_transfer_reports_each_failure_with_its_op_and_goes_on(both: PageFiles, tmp_path: Path) -> None:
+    """One op's failure (a file gone, a short read, a file of another identity) is that op's
+    outcome, as read() and write() raise it; the claim's other ops still run."""
+    ref, gone = FileRef(1, "d0", "1"), FileRef(2, "d0", "2")
+    both.create(ref)
+    page = os.urandom(4096)
+    end = both.file_bytes()
+    got = both.transfer([
+        Transfer(READ, gone, 4096, [memoryview(bytearray(4096))], 4096, False, [4096]),
+        Transfer(WRITE, ref, 4096, [memoryview(page)], 4096, False, [4096]),
+        Transfer(READ, ref, end - 2048, [memoryview(bytearray(4096))], 4096, False, [4096]),
+    ])
+    assert isinstance(got[0], FileGone) and "was deleted" in str(got[0])
+    assert got[1] == [xxhash.xxh3_64_intdigest(page)]
+    assert isinstance(got[2], PageIOError) and str(got[2]).endswith(f"short read at {end - 2048} of "
+                                                                     f"{both.path(1, 'd0')} (2048 of 4096 bytes)")
+    both.close()
+
+
+def test_a_transfer_stops_between_ops_once_a_flag_is_set_never_before_the_first(both: PageFiles) -> None:
+    ref = FileRef(1, "d0", "1")
+    both.create(ref)
+    ops = [Transfer(WRITE, ref, 4096 * (1 + i), [memoryview(os.urandom(4096))], 4096, False, [4096]) for i in range(4)]
+    go, stop = bytearray(1), bytearray(b"\x01")
+    assert len(both.transfer(ops, [go])) == 4
+    assert len(both.transfer(ops, [go, stop])) == 1
+    both.close()
+
+
+def test_page_files_open_for_reading_only_refuse_a_transfer_that_writes(tmp_path: Path, both: PageFiles) -> None:
+    ref = FileRef(1, "d0", "1")
+    both.create(ref)
+    ro = PageFiles(IDENTITY, both.dirs, o_direct=False, read_only=True)
+    ro.native = both.native
+    [refused, hashed] = ro.transfer([Transfer(WRITE, ref, 4096, [memoryview(bytes(4096))], 4096, False, []),
+                                     Transfer(HASH, None, 0, [memoryview(bytes(4096))], 4096, False, [4096])])
+    assert isinstance(refused, PageIOError) and refused.errno == errno.EROFS
+    assert hashed == [xxhash.xxh3_64_intdigest(bytes(4096))]
+    ro.close()
+    both.close()
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.binary(min_size=1, max_size=70000), cuts=st.lists(st.integers(0, 70000), max_size=6),
+       span_cuts=st.lists(st.integers(1, 70000), max_size=4))
+def test_the_c_helpers_checksums_are_xxhashs_however_buffers_and_pages_are_cut(data: bytes, cuts: list[int],
+                                                                             span_cuts: list[int]) -> None:
+    """xxh3 has separate paths for inputs up to 16, 128, 240 bytes and beyond, and the C
+    helper hashes a page from one buffer or streams it over several: every way agrees with
+    the xxhash package (the checksums in the index were made by either)."""
+    assert pagefile._pageio is not None, "the C helper is not built: `pip install -e .` (needs a C compiler)"
+    bounds = sorted({0, len(data), *(c % (len(data) + 1) for c in cuts)})
+    bufs = [memoryview(data)[a:b] for a, b in zip(bounds, bounds[1:])]
+    span_bounds = sorted({0, len(data), *(c % len(data) for c in span_cuts)} - {0}) if len(data) > 1 else [len(data)]
+    spans = [b - a for a, b in zip([0, *span_bounds], span_bounds)]
+    [(err, moved, sums)] = pagefile._pageio.transfer([(HASH, -1, 0, bufs, spans, 0, 0)], [])
+    starts = [0, *span_bounds]
+    assert (err, moved) == (0, 0)
+    assert list(sums) == [xxhash.xxh3_64_intdigest(data[a:b]) for a, b in zip(starts, span_bounds)] == checksums(bufs, spans)
+
+
+def test_the_c_helper_refuses_an_op_past_iov_max_alone_and_spans_past_its_bytes() -> None:
+    """A read or write of more buffers than preadv/pwritev take fails as they would (EINVAL),
+    that op only; hashing has no such limit; spans beyond the buffers are a ValueError
+    before anything runs, however large the numbers."""
+    native = pagefile._pageio
+    assert native is not None, "the C helper is not built: `pip install -e .` (needs a C compiler)"
+    many = [memoryview(bytearray(1)) for _ in range(1025)]
+    got = native.transfer([(READ, 0, 0, many, [], 0, 0), (HASH, -1, 0, many, [1025], 0, 0)], [])
+    assert got == [(errno.EINVAL, 0, ()), (0, 0, (xxhash.xxh3_64_intdigest(bytes(1025)),))]
+    with pytest.raises(ValueError, match=f"span 1 of {2**63 - 1} bytes is not within the op's 1 bytes"):
+        native.transfer([(HASH, -1, 0, [b"x"], [1, 2**63 - 1, 2**63 - 1, 3], 0, 0)], [])

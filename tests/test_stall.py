@@ -22,7 +22,7 @@ from engine_kit import MiB, engine, pages, read, views
 from stallfs import StalledDisk
 
 from sglang_tierstore import TierStore, inspect
-from sglang_tierstore.io_engine import IOEngine
+from sglang_tierstore.io_engine import IOEngine, each
 from sglang_tierstore.errors import FileGone, PageIOError
 from sglang_tierstore.pagefile import FileRef, PageFiles
 from sglang_tierstore.store import Namespace
@@ -121,8 +121,8 @@ def test_a_given_up_batch_sends_the_disk_nothing_more() -> None:
         return i
 
     try:
-        batch = io.submit(item, [0, 1, 2, 3], 1 << 20, inline=False)
-        later = io.submit(item, [4, 5], 1 << 20, inline=False)  # queued behind the stuck thread
+        batch = io.submit(each(item), [0, 1, 2, 3], 1 << 20, inline=False)
+        later = io.submit(each(item), [4, 5], 1 << 20, inline=False)  # queued behind the stuck thread
         assert batch.wait(time.monotonic() + 0.2) == {}
         assert later.wait(time.monotonic()) == {}
         batch.cancel()
@@ -149,7 +149,7 @@ def io_idle(st: TierStore, bound_s: float = 60) -> None:
     pwritev a given-up batch left running has returned: a batch of one item per thread
     whose items wait for each other."""
     together = threading.Barrier(st.io.threads)
-    batch = st.io.submit(lambda _: together.wait(bound_s), range(st.io.threads), 1, inline=False, write=True)
+    batch = st.io.submit(each(lambda _: together.wait(bound_s)), range(st.io.threads), 1, inline=False, write=True)
     done = batch.wait(time.monotonic() + bound_s)
     assert sorted(done.values()) == list(range(st.io.threads)), f"the I/O threads were not all free within {bound_s} s"
 

@@ -165,7 +165,8 @@ class Reservation:
             done = sorted((i for i in idx if i in ok), key=slots.__getitem__)  # runs of slots
             commits = Commits([slots[i] for i in done], [self.fields[i] for i in done], [tails[i] for i in done])
             give_up = sorted(slots[i] for i in idx if i in slots and i not in ok)
-            calls.append((s, done, commits, give_up, a.leases.stock_target(s, self.page_bytes, len(idx), a.capacity)))
+            a.leases.batch_of(s, self.page_bytes, len(idx))
+            calls.append((s, done, commits, give_up, a.leases.stock_target(s, self.page_bytes, a.capacity)))
         try:
             replies = a.leases.commit(self.page_bytes, [(s, c, gu, want) for s, _, c, gu, want in calls])
         except IndexUnavailable:

@@ -18,6 +18,7 @@ cut into slots of the page size rounded up to 4 KiB (the O_DIRECT alignment).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
 from sglang_tierstore.schema import HEADER_BYTES, round_up
 
@@ -90,6 +91,12 @@ class Geometry:
 
     def slot_offset(self, region: int, slot: int, page_bytes: int) -> int:
         return self.region_offset(region) + slot * self.slot_bytes(page_bytes)
+
+    def places(self, slots: Iterable[tuple[int, int]], page_bytes: int) -> list[tuple[int, int]]:
+        """(file, byte offset) of each (region, slot): :meth:`file_of` and
+        :meth:`slot_offset` of a batch in one call (a read's per-page loop)."""
+        rpf, rb, sb = self.regions_per_file, self.region_bytes, self.slot_bytes(page_bytes)
+        return [(r // rpf, HEADER_BYTES + r % rpf * rb + s * sb) for r, s in slots]
 
     @staticmethod
     def slot_bytes(page_bytes: int) -> int:

@@ -152,13 +152,17 @@ class Leases:
     def stocked(self, shard: int, page_bytes: int) -> int:
         return sum(r.slots for r in self._stock(shard) if r.page_bytes == page_bytes)
 
-    def stock_target(self, shard: int, page_bytes: int, n: int, capacity: int) -> int:
-        """Slots to keep in stock after a batch of ``n``: as many as the largest of this
-        thread's last batches there, but never more than 1/16 of the shard's capacity
+    def batch_of(self, shard: int, page_bytes: int, n: int) -> None:
+        """This thread wrote a batch of ``n`` pages of this size to ``shard``: what its
+        stock is sized by (:meth:`stock_target`)."""
+        self._mine().batches.setdefault((shard, page_bytes), deque(maxlen=RECENT_BATCHES)).append(n)
+
+    def stock_target(self, shard: int, page_bytes: int, capacity: int) -> int:
+        """Slots to keep in stock: as many as the largest of this thread's last batches
+        there (:meth:`batch_of`), but never more than 1/16 of the shard's capacity
         (``capacity``: the store's, until a reply told)."""
         g = self.geometry
-        recent = self._mine().batches.setdefault((shard, page_bytes), deque(maxlen=RECENT_BATCHES))
-        recent.append(n)
+        recent = self._mine().batches.get((shard, page_bytes)) or [1]
         regions = self.capacity_regions[shard] or g.capacity_share(capacity, shard)
         return max(1, min(max(recent), regions * g.region_bytes // STOCK_SHARE // round_up(page_bytes)))
 
