@@ -2,7 +2,7 @@
 """What one call costs the thread SGLang makes it on: CPU per call and per page, against a
 baseline engine, interleaved.
 
-    python3 scripts/bench_caller.py --base 5d013e9 --runs 6 --out scripts/results/bench_caller/bench_caller.json \
+    python3 scripts/bench_caller.py --base 2c494a6 --runs 6 --out scripts/results/bench_caller/bench_caller.json \
         > scripts/results/bench_caller/bench_caller.txt
 
 Each run is a fresh process (``PYTHONPATH`` at one engine's tree: ``--base`` is checked out
@@ -17,7 +17,7 @@ the whole process's (every thread: tierstore's I/O and housekeeping threads too,
 moved off the caller is not hidden) and the wall time. A run reports each figure's
 median per size, and fits CPU = per call + per page x pages (least squares over the
 medians) over the sizes the engine shares out over its I/O threads: a batch moving under
-``2 x io_engine.CLAIM_BYTES`` (2 MiB) runs inline, its pwritevs/preadvs and hashing on the
+``io_engine.INLINE_BYTES`` (2 MiB) runs inline, its pwritevs/preadvs and hashing on the
 calling thread, a cost of another kind that a fit across both would mix into the slope.
 The smaller sizes are reported as they are, per call. Runs alternate the engines (base, new, new, base, ...); the summary
 gives each engine's median over runs with a 95% interval, and new / base paired run by
@@ -154,7 +154,9 @@ def worker(sizes: list[int], reps: int, warmup: int, seed: int, gil_reps: int) -
 
     import sglang_tierstore
     from sglang_tierstore import TierStoreBackend
-    from sglang_tierstore.io_engine import CLAIM_BYTES
+    from sglang_tierstore import io_engine
+
+    inline_bytes = getattr(io_engine, "INLINE_BYTES", 0) or 2 * io_engine.CLAIM_BYTES  # (what engines before it used)
 
     rnd = random.Random(seed)
     work = tempfile.mkdtemp(prefix="bench-caller-", dir="/var/tmp")
@@ -173,10 +175,10 @@ def worker(sizes: list[int], reps: int, warmup: int, seed: int, gil_reps: int) -
         try:
             be.register_mem_pool_host(pool)
             page_bytes = be.namespace().page_bytes
-            shared = [n for n in sizes if n * page_bytes >= 2 * CLAIM_BYTES]
+            shared = [n for n in sizes if n * page_bytes >= inline_bytes]
             if len(shared) < 2:
                 raise SystemExit(f"--sizes {','.join(map(str, sizes))}: the fit needs two sizes of at least "
-                                 f"{2 * CLAIM_BYTES} bytes ({-(-2 * CLAIM_BYTES // page_bytes)} pages of {page_bytes})")
+                                 f"{inline_bytes} bytes ({-(-inline_bytes // page_bytes)} pages of {page_bytes})")
             ps = pool.page_size
             src = {n: page_indices(list(range(n)), ps) for n in sizes}
             dst = {n: page_indices(list(range(big, big + n)), ps) for n in sizes}

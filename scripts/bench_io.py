@@ -93,6 +93,7 @@ import tempfile
 import threading
 import time
 import uuid
+from types import SimpleNamespace
 from unittest import mock
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Generator, Protocol, TypeVar
@@ -109,9 +110,14 @@ from provenance import header, stamp  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import HiCacheFile, PoolName, PoolTransfer  # noqa: E402
 
 from sglang_tierstore import TierStoreBackend, inspect  # noqa: E402
+from sglang_tierstore import pagefile  # noqa: E402
 from sglang_tierstore import store as ts_store  # noqa: E402
 from sglang_tierstore.hostmem import ALIGN  # noqa: E402
 from sglang_tierstore.schema import entry_field  # noqa: E402
+
+REAL_PAGEIO = pagefile._pageio
+if REAL_PAGEIO is None:
+    raise SystemExit("bench_io: tierstore's C helper is not built (pip install -e .; it needs a C compiler)")
 
 BATCH = 128
 REDIS_FLAGS = ["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
@@ -261,10 +267,17 @@ def backend(path: str, redis_url: str, threads: int, mla: bool = False, model: s
     return TierStoreBackend(storage_config(cfg, mla=mla, model=model), {})
 
 
+def unhashed(calls: list[tuple[Any, ...]], stop: Any) -> list[tuple[int, int, tuple[int, ...]]]:
+    """The C helper's transfer with no span hashed: every checksum 0."""
+    done = REAL_PAGEIO.transfer([(*c[:4], (), *c[5:]) for c in calls], stop)
+    return [(err, n, (0,) * len(c[4])) for (err, n, _), c in zip(done, calls)]
+
+
 def tierstore_rounds(path: str, redis_url: str, pool: Any, threads: int, v2: bool, mla: bool, info: dict[str, Any],
                      checksum: bool = True, coalesce: bool = True) -> Generator[Round, None, None]:
     """tierstore's calls. Diagnostics: ``checksum=False`` replaces the checksum by a
-    constant on writes and reads; ``coalesce=False`` makes every page its own I/O."""
+    constant on writes and reads (the C helper moves the bytes and hashes nothing);
+    ``coalesce=False`` makes every page its own I/O."""
     d = os.path.join(path, "tierstore-" + uuid.uuid4().hex[:6])
     ps = pool.page_size
     src, dst = page_indices(range(BATCH), ps), page_indices(range(BATCH, 2 * BATCH), ps)
@@ -291,7 +304,7 @@ def tierstore_rounds(path: str, redis_url: str, pool: Any, threads: int, v2: boo
             out: list[Any] = []
             with contextlib.ExitStack() as patches:
                 if not checksum:
-                    patches.enter_context(mock.patch.object(ts_store, "checksum", lambda regions: 0))
+                    patches.enter_context(mock.patch.object(pagefile, "_pageio", SimpleNamespace(transfer=unhashed)))
                 if not coalesce:
                     # one page per I/O: runs and pieces of at most a page (larger pages stay cut at MAX_RUN_BYTES)
                     one_page = min(ts_store.MAX_RUN_BYTES, be.namespace().page_bytes)

@@ -786,28 +786,30 @@ def main() -> int:
         log = os.path.join(args.workdir, f"server-{tag.replace('+', '_')}.log")
         offset = os.path.getsize(log) if os.path.exists(log) else 0
         flags = server_flags(args, config, args.workdir)
-        with Server(model, free_port(), log, flags, cpu=not args.model, cwd=args.workdir) as s:
-            s.wait_ready(900)
-            request(s.url, [vocab[0]] * 64)  # warm-up: page-hash extension, first forward
-            prov = provenance(imported_from(log, offset), args.tierstore_src) if config == "l2+tierstore" else None
-            if config == "l2+tierstore" and not args.model and not (prov and prov["imported_from"]):
-                raise RuntimeError(f"{log}: no line saying where the server imported sglang_tierstore from")
-            if config == "l2+tierstore" and k == 0:
-                calib = calibrate(s, vocab, prefix, random.Random(args.seed + 1))
-                with open(calibration_path(args.output_dir, tag), "w") as f:
-                    json.dump({"stamp": stamp(directory=args.workdir), **calib}, f, indent=1)
-                print(f"  calibration ({prefix} tokens): cold {calib['cold_ttft_s'] * 1e3:.0f} ms, device "
-                      f"{calib['device_ttft_s'] * 1e3:.0f} ms, host {calib['host_ttft_s'] * 1e3:.0f} ms, storage "
-                      f"{calib['storage_ttft_s'] * 1e3:.0f} ms", flush=True)
-            s.flush()
-            store = os.path.join(args.workdir, "tierstore") if config == "l2+tierstore" else None
-            before = cpu_snapshot(s.proc.pid, store)
-            rc = subprocess.call(loadtest_args(args, model, s.url, tag))
-            busy = cpu_snapshot(s.proc.pid, store)
-            time.sleep(args.idle_s)  # nothing sent: what each thread costs with nothing to do
-            cpu = {"busy": cpu_between(before, busy), "idle": cpu_between(busy, cpu_snapshot(s.proc.pid, store))}
-        if config == "l2+tierstore":
-            stop_embedded_redis(os.path.join(args.workdir, "tierstore"))
+        store = os.path.join(args.workdir, "tierstore") if config == "l2+tierstore" else None
+        try:
+            with Server(model, free_port(), log, flags, cpu=not args.model, cwd=args.workdir) as s:
+                s.wait_ready(900)
+                request(s.url, [vocab[0]] * 64)  # warm-up: page-hash extension, first forward
+                prov = provenance(imported_from(log, offset), args.tierstore_src) if config == "l2+tierstore" else None
+                if config == "l2+tierstore" and not args.model and not (prov and prov["imported_from"]):
+                    raise RuntimeError(f"{log}: no line saying where the server imported sglang_tierstore from")
+                if config == "l2+tierstore" and k == 0:
+                    calib = calibrate(s, vocab, prefix, random.Random(args.seed + 1))
+                    with open(calibration_path(args.output_dir, tag), "w") as f:
+                        json.dump({"stamp": stamp(directory=args.workdir), **calib}, f, indent=1)
+                    print(f"  calibration ({prefix} tokens): cold {calib['cold_ttft_s'] * 1e3:.0f} ms, device "
+                          f"{calib['device_ttft_s'] * 1e3:.0f} ms, host {calib['host_ttft_s'] * 1e3:.0f} ms, storage "
+                          f"{calib['storage_ttft_s'] * 1e3:.0f} ms", flush=True)
+                s.flush()
+                before = cpu_snapshot(s.proc.pid, store)
+                rc = subprocess.call(loadtest_args(args, model, s.url, tag))
+                busy = cpu_snapshot(s.proc.pid, store)
+                time.sleep(args.idle_s)  # nothing sent: what each thread costs with nothing to do
+                cpu = {"busy": cpu_between(before, busy), "idle": cpu_between(busy, cpu_snapshot(s.proc.pid, store))}
+        finally:  # the server's embedded index outlives it: stopped whether the run ended well or not
+            if store:
+                stop_embedded_redis(store)
         if rc:
             print(f"load test against {tag} failed ({rc}); see {log}", file=sys.stderr)
             return rc

@@ -76,7 +76,7 @@ def changed_since(commit: str, files: list[str]) -> list[str]:
 def sources(job: reproduce.Job) -> list[str]:
     """The files a job's results come from: the job's script and everything it imports,
     directly or through its helpers (scripts/, tests/), the engine's modules with the Lua the
-    index runs, and for a job that starts SGLang servers the CPU harness they run in (a
+    index runs and the C the page I/O runs, and for a job that starts SGLang servers the CPU harness they run in (a
     planning module no job imports is not the engine)."""
     todo, seen = [ENGINE_ENTRY, ROOT / "scripts" / job.script], set()
     while todo:
@@ -84,7 +84,7 @@ def sources(job: reproduce.Job) -> list[str]:
         if f not in seen:
             seen.add(f)
             todo.extend(_imports(f))
-    seen |= set((ROOT / "sglang_tierstore").rglob("*.lua"))
+    seen |= set((ROOT / "sglang_tierstore").rglob("*.lua")) | set((ROOT / "sglang_tierstore").rglob("*.c"))
     if job.server:
         seen |= {f for f in CPU_HARNESS.rglob("*") if f.is_file() and "__pycache__" not in f.parts}
     return sorted(str(f.relative_to(ROOT)) for f in seen)
