@@ -9,6 +9,7 @@ import ast
 import fnmatch
 import importlib.util
 import json
+import os
 import random
 import subprocess
 import sys
@@ -120,7 +121,10 @@ def test_every_script_has_a_smoke_run_that_finishes_and_stamps(job: reproduce.Jo
 def test_every_committed_result_is_a_jobs_output_and_stamped() -> None:
     """What lies under scripts/results/ is exactly what reproduce.py regenerates: each
     file is an output of its job's directory, names the clean commit and the command it came
-    from, and no file it came from (:func:`sources`) has changed since that commit."""
+    from, and no file it came from (:func:`sources`) has changed since that commit. A job
+    named in ``TIERSTORE_REGENERATING`` (comma-separated; suite_timing.py names its own, whose
+    timing it is replacing) may be stale, never stray or unstamped."""
+    regenerating = set(filter(None, os.environ.get("TIERSTORE_REGENERATING", "").split(",")))
     outputs = {f"scripts/results/{j.name}/{o}" for j in reproduce.JOBS for o in j.outputs}
     patterns = [f"scripts/results/{j.name}/{g}" for j in reproduce.JOBS for g in j.also]
     stray, unstamped, stale = [], [], []
@@ -136,7 +140,7 @@ def test_every_committed_result_is_a_jobs_output_and_stamped() -> None:
             job = next(j for j in reproduce.JOBS if rel.startswith(f"scripts/results/{j.name}/"))
             if not s.get("commit") or s.get("dirty") is not False:
                 unstamped.append(rel)
-            elif changed := changed_since(s["commit"], deps[job.name]):
+            elif job.name not in regenerating and (changed := changed_since(s["commit"], deps[job.name])):
                 stale.append(f"{rel}: {', '.join(changed)} changed since {s['commit'][:12]}")
     assert stray == [] and unstamped == [] and stale == []
 
