@@ -95,6 +95,11 @@ def probe(case: str) -> Callable[[], str]:
     return lambda: iv(load("bench_io/bench_io.json")["probe"]["ratios"][case])
 
 
+def probe_target() -> str:
+    """bench_io's probe against its target: at most 1.3 times one MGET of as many keys."""
+    return within(load("bench_io/bench_io.json")["probe"]["ratios"]["probe_all_hit"], 1.3, "x", "the probe")
+
+
 def python_us(op: str) -> Callable[[], str]:
     return lambda: f"{load('bench_io/bench_io.json')['probe'][f'python_us_per_page_{op}_4k']['median']:.1f} us"
 
@@ -480,9 +485,14 @@ def caller_fit(op: str, term: str, engine: str = "new", clock: str = "caller_us"
     return lambda: us(load("bench_caller/bench_caller.json")["summary"][engine][op][clock][term])
 
 
-def caller_gil(op: str, term: str) -> Callable[[], str]:
-    """One fitted term of what this engine's ``op`` takes from bench_caller's spinning Python thread."""
-    return lambda: us(load("bench_caller/bench_caller.json")["summary"]["new"]["gil"][op][term])
+def caller_gil(op: str, term: str, engine: str = "new") -> Callable[[], str]:
+    """One fitted term of what an engine's ``op`` takes from bench_caller's spinning Python thread."""
+    return lambda: us(load("bench_caller/bench_caller.json")["summary"][engine]["gil"][op][term])
+
+
+def caller_base() -> str:
+    """The commit bench_caller's baseline engine ran at."""
+    return str(load("bench_caller/bench_caller.json")["commits"]["base"])
 
 
 def caller_sizes(key: str) -> Callable[[], str]:
@@ -570,6 +580,7 @@ FIGURES: dict[str, Callable[[], str]] = {
     "io.table": io_table,
     "io.targets": io_targets,
     "io.probe": probe("probe_all_hit"),
+    "io.probe.target": probe_target,
     "io.probe_first_missing": probe("probe_first_missing"),
     "io.hmget": probe("hmget_128"),
     "io.python_set": python_us("set"),
@@ -651,6 +662,9 @@ FIGURES: dict[str, Callable[[], str]] = {
     "caller.gil.set.per_page": caller_gil("set", "per_page_us"),
     "caller.gil.get.per_page": caller_gil("get", "per_page_us"),
     "caller.gil.exists.per_page": caller_gil("exists", "per_page_us"),
+    "caller.gil.set.per_page.base": caller_gil("set", "per_page_us", "base"),
+    "caller.gil.get.per_page.base": caller_gil("get", "per_page_us", "base"),
+    "caller.base": caller_base,
     "interference.targets": interference_targets,
     "interference.rounds": lambda: str(load("interference/rounds.json")["rounds"]),
     "caller.set.per_page": caller_fit("set", "per_page_us"),
