@@ -603,6 +603,8 @@ FIGURES: dict[str, Callable[[], str]] = {
     "stress.not_stored": stress("pages.pages_not_stored"),
     "stress.no_slot_warm": stress_no_slot,
     "stress.redis_kills": stress("faults.redis_kills"),
+    "stress.worker_kills": stress("faults.worker_kills"),
+    "stress.bit_flips": stress("faults.bit_flips"),
     "stress.store_back": stress_store_back,
     "index.commit_16x256k": server_us(256 << 10, 16, "commit"),
     "index.commit_128x2m": server_us(2 << 20, 128, "commit"),
