@@ -5,6 +5,10 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
+import subprocess
+import sys
+import zipfile
 import threading
 from pathlib import Path
 
@@ -212,3 +216,23 @@ def test_the_c_helper_refuses_an_op_past_iov_max_alone_and_spans_past_its_bytes(
     assert got == [(errno.EINVAL, 0, ()), (0, 0, (xxhash.xxh3_64_intdigest(bytes(1025)),))]
     with pytest.raises(ValueError, match=f"span 1 of {2**63 - 1} bytes is not within the op's 1 bytes"):
         native.transfer([(HASH, -1, 0, [b"x"], [1, 2**63 - 1, 2**63 - 1, 3], 0, 0)], [])
+
+
+def test_without_a_c_compiler_the_package_still_builds_leaving_the_helper_out(tmp_path: Path) -> None:
+    """The README's promise for a machine with no C compiler: ``pip install`` builds the
+    package without ``_pageio`` (an optional extension) instead of failing; the store then
+    moves pages from Python (tests/test_engine.py, without its C helper)."""
+    root = Path(__file__).resolve().parents[1]
+    src = tmp_path / "src"
+    shutil.copytree(root / "sglang_tierstore", src / "sglang_tierstore",
+                    ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    for f in ("pyproject.toml", "README.md"):
+        shutil.copy(root / f, src / f)
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                          "-w", str(tmp_path / "wheel"), str(src)], env={**os.environ, "CC": "/bin/false"},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    [wheel] = (tmp_path / "wheel").glob("*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "sglang_tierstore/pagefile.py" in names
+    assert not [n for n in names if n.startswith("sglang_tierstore/_pageio") and n.endswith(".so")]
