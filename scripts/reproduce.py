@@ -4,7 +4,8 @@
     python3 scripts/reproduce.py                       # every job, in order (hours on 2 cores)
     python3 scripts/reproduce.py --only bench_io,stress
     python3 scripts/reproduce.py --quick --results /tmp/smoke   # every script in seconds (what CI runs)
-    python3 scripts/reproduce.py --list
+    python3 scripts/reproduce.py --list                # the jobs, and which committed results are stale
+    python3 scripts/reproduce.py --stale               # only the jobs whose committed results are stale
 
 Each job runs one script with the arguments of its committed run (or, with ``--quick``, the
 smallest that still takes every code path) and writes ``<results>/<job>/``: the script's
@@ -14,6 +15,11 @@ the README and docs quote are regenerated from those files (``figures.py --write
 A job that fails, hangs past its bound or leaves an output unstamped or stamped with
 another commit fails the command (the other jobs still run, and their outputs stay).
 
+A committed result is stale when an output is missing, unstamped or stamped dirty, or
+when a file it comes from (:func:`sources`) changed since the commit its stamp names
+(``tests/test_reproduce.py`` fails CI on one). ``--stale`` runs just those jobs: a
+regeneration longer than one sitting goes on where it stopped.
+
 ``--quick`` never writes under ``scripts/results/`` unless ``--results`` says so: its
 figures are smoke, not measurements.
 """
@@ -21,6 +27,7 @@ figures are smoke, not measurements.
 from __future__ import annotations
 
 import argparse
+import ast
 import shutil
 import subprocess
 import sys
@@ -33,7 +40,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from provenance import _git, read_stamp  # noqa: E402
 
+ROOT = HERE.parent
 RESULTS = HERE / "results"
+ENGINE_ENTRY = ROOT / "sglang_tierstore" / "__init__.py"  # what SGLang's server loads, lazily the adapter
+CPU_HARNESS = ROOT / "tests" / "cpu_harness"  # the CPU server's flags, model and the shim it imports
 
 
 @dataclass(frozen=True)
@@ -103,6 +113,96 @@ JOBS: tuple[Job, ...] = (
 )
 
 
+def _imports(path: Path) -> set[Path]:
+    """The repository's files that ``path`` imports anywhere in it (inside functions too):
+    the package's modules (relative imports resolved), and scripts' or tests' helpers by
+    their bare names."""
+    found: set[Path] = set()
+    package = path.parent.relative_to(ROOT).parts
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join([*package[:len(package) - node.level + 1], *([base] if base else [])])
+            names = [base, *(f"{base}.{a.name}" for a in node.names)]
+        else:
+            continue
+        for name in names:
+            parts = [p for p in name.split(".") if p]
+            if not parts:
+                continue
+            bases = [ROOT] if parts[0] == "sglang_tierstore" else [ROOT / "scripts", ROOT / "tests"]
+            for base_dir in bases:
+                for cand in (base_dir.joinpath(*parts).with_suffix(".py"), base_dir.joinpath(*parts, "__init__.py")):
+                    if cand.is_file():
+                        found.add(cand)
+    return found
+
+
+# Earlier versions of a file whose outputs are the same as the file's now (shown by
+# tests/test_reproduce.py::test_equivalent_versions_give_the_same_outputs): a result made
+# with one is not stale for the change. Only refactors go here; a change in what a file
+# computes never does.
+EQUIVALENT = {"scripts/compare.py": ("a65415b",)}  # 4ada918 gave the three bootstraps one percentile step
+
+
+def show(commit: str, path: str) -> str:
+    """``path`` as it was at ``commit``."""
+    return subprocess.run(["git", "-C", str(ROOT), "show", f"{commit}:{path}"], capture_output=True, text=True,
+                          check=True).stdout
+
+
+def changed_since(commit: str, files: list[str]) -> list[str]:
+    """The files of ``files`` that differ between ``commit`` and HEAD, less those whose
+    version at ``commit`` is one of their EQUIVALENT versions."""
+    out = subprocess.run(["git", "-C", str(ROOT), "diff", "--name-only", commit, "HEAD", "--", *files],
+                         capture_output=True, text=True, check=True).stdout.split()
+    return [f for f in out if not any(show(commit, f) == show(c, f) for c in EQUIVALENT.get(f, ()))]
+
+
+def sources(job: Job) -> list[str]:
+    """The files a job's results come from: the job's script and everything it imports,
+    directly or through its helpers (scripts/, tests/), the engine's modules with the Lua the
+    index runs and the C the page I/O runs, and for a job that starts SGLang servers the CPU
+    harness they run in (a planning module no job imports is not the engine)."""
+    todo, seen = [ENGINE_ENTRY, HERE / job.script], set()
+    while todo:
+        f = todo.pop()
+        if f not in seen:
+            seen.add(f)
+            todo.extend(_imports(f))
+    seen |= set((ROOT / "sglang_tierstore").rglob("*.lua")) | set((ROOT / "sglang_tierstore").rglob("*.c"))
+    if job.server:
+        seen |= {f for f in CPU_HARNESS.rglob("*") if f.is_file() and "__pycache__" not in f.parts}
+    return sorted(str(f.relative_to(ROOT)) for f in seen)
+
+
+def why_stale(job: Job, results: Path = RESULTS, changes_ok: bool = False) -> list[str]:
+    """Why the job's results under ``results`` no longer describe HEAD, one line per file
+    (empty: they do). Covers the outputs the job must leave and every stamped file it left;
+    a stray file is not the job's concern (tests/test_reproduce.py catches those).
+    ``changes_ok``: only missing, unstamped and dirty files count (a job being rerun)."""
+    out = results / job.name
+    files = {out / o for o in job.outputs} | {p for g in job.also for p in out.glob(g) if p.suffix in (".json", ".txt")}
+    deps = sources(job)
+    why = []
+    for path in sorted(files):
+        rel = path.relative_to(results.parent) if results == RESULTS else path
+        if not path.exists():
+            why.append(f"{rel}: missing")
+            continue
+        if path.suffix not in (".json", ".txt"):
+            continue
+        s = read_stamp(path) or {}
+        if not s.get("commit") or s.get("dirty") is not False:
+            why.append(f"{rel}: {'stamped dirty' if s.get('commit') else 'unstamped'}")
+        elif not changes_ok and (changed := changed_since(s["commit"], deps)):
+            why.append(f"{rel}: {', '.join(changed)} changed since {s['commit'][:12]}")
+    return why
+
+
 def job_named(name: str) -> Job:
     for j in JOBS:
         if j.name == name:
@@ -141,17 +241,29 @@ def main() -> int:
     ap.add_argument("--only", help="comma-separated jobs (default: all)")
     ap.add_argument("--quick", action="store_true", help="the smoke run of each job: seconds, not measurements")
     ap.add_argument("--results", help="where job directories go (default scripts/results/; with --quick a temporary directory)")
-    ap.add_argument("--list", action="store_true", help="list the jobs and stop")
+    ap.add_argument("--list", action="store_true", help="list the jobs, whether their committed results are stale, and stop")
+    ap.add_argument("--stale", action="store_true", help="of the jobs chosen, run only those whose committed results are stale")
     ap.add_argument("--skip-server", action="store_true", help="leave out jobs that start real SGLang servers")
     ap.add_argument("--no-figures", action="store_true", help="do not regenerate the docs' figures afterwards")
     a = ap.parse_args()
     if a.list:
         for j in JOBS:
-            print(f"{j.name:<14} {j.minutes:>5.0f} min  scripts/{j.script} {' '.join(j.full)}")
+            why = why_stale(j)
+            print(f"{j.name:<14} {j.minutes:>5.0f} min  {'stale' if why else 'fresh'}  scripts/{j.script} {' '.join(j.full)}")
+            for line in why[:3]:
+                print(f"{'':<22}{line}")
+            if len(why) > 3:
+                print(f"{'':<22}... and {len(why) - 3} more")
         return 0
+    if a.stale and (a.quick or a.results):
+        ap.error("--stale: regenerates committed results, so neither --quick nor --results")
     jobs = [job_named(n) for n in a.only.split(",")] if a.only else list(JOBS)
     if a.skip_server:
         jobs = [j for j in jobs if not j.server]
+    if a.stale:
+        jobs = [j for j in jobs if why_stale(j)]
+        print(f"reproduce: stale: {', '.join(j.name for j in jobs) or 'none'} "
+              f"({sum(j.minutes for j in jobs):.0f} min as planned)", file=sys.stderr, flush=True)
     results = Path(a.results) if a.results else (Path(tempfile.mkdtemp(prefix="reproduce-")) if a.quick else RESULTS)
     commit = _git("rev-parse", "HEAD")
     failed = []

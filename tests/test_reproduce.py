@@ -5,7 +5,6 @@ say a difference only where the interval excludes it."""
 
 from __future__ import annotations
 
-import ast
 import fnmatch
 import importlib.util
 import json
@@ -14,6 +13,7 @@ import random
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -22,74 +22,6 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import compare  # noqa: E402
 import provenance  # noqa: E402
 import reproduce  # noqa: E402
-
-ENGINE_ENTRY = ROOT / "sglang_tierstore" / "__init__.py"  # what SGLang's server loads, lazily the adapter
-CPU_HARNESS = ROOT / "tests" / "cpu_harness"  # the CPU server's flags, model and the shim it imports
-
-
-def _imports(path: Path) -> set[Path]:
-    """The repository's files that ``path`` imports anywhere in it (inside functions too):
-    the package's modules (relative imports resolved), and scripts' or tests' helpers by
-    their bare names."""
-    found: set[Path] = set()
-    package = path.parent.relative_to(ROOT).parts
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                base = ".".join([*package[:len(package) - node.level + 1], *([base] if base else [])])
-            names = [base, *(f"{base}.{a.name}" for a in node.names)]
-        else:
-            continue
-        for name in names:
-            parts = [p for p in name.split(".") if p]
-            if not parts:
-                continue
-            bases = [ROOT] if parts[0] == "sglang_tierstore" else [ROOT / "scripts", ROOT / "tests"]
-            for base_dir in bases:
-                for cand in (base_dir.joinpath(*parts).with_suffix(".py"), base_dir.joinpath(*parts, "__init__.py")):
-                    if cand.is_file():
-                        found.add(cand)
-    return found
-
-
-# Earlier versions of a file whose outputs are the same as the file's now (shown by
-# test_equivalent_versions_give_the_same_outputs): a result made with one is not stale for
-# the change. Only refactors go here; a change in what a file computes never does.
-EQUIVALENT = {"scripts/compare.py": ("a65415b",)}  # 4ada918 gave the three bootstraps one percentile step
-
-
-def _show(commit: str, path: str) -> str:
-    return subprocess.run(["git", "-C", str(ROOT), "show", f"{commit}:{path}"], capture_output=True, text=True,
-                          check=True).stdout
-
-
-def changed_since(commit: str, files: list[str]) -> list[str]:
-    """The files of ``files`` that differ between ``commit`` and HEAD, less those whose
-    version at ``commit`` is one of their EQUIVALENT versions."""
-    out = subprocess.run(["git", "-C", str(ROOT), "diff", "--name-only", commit, "HEAD", "--", *files],
-                         capture_output=True, text=True, check=True).stdout.split()
-    return [f for f in out if not any(_show(commit, f) == _show(c, f) for c in EQUIVALENT.get(f, ()))]
-
-
-def sources(job: reproduce.Job) -> list[str]:
-    """The files a job's results come from: the job's script and everything it imports,
-    directly or through its helpers (scripts/, tests/), the engine's modules with the Lua the
-    index runs and the C the page I/O runs, and for a job that starts SGLang servers the CPU harness they run in (a
-    planning module no job imports is not the engine)."""
-    todo, seen = [ENGINE_ENTRY, ROOT / "scripts" / job.script], set()
-    while todo:
-        f = todo.pop()
-        if f not in seen:
-            seen.add(f)
-            todo.extend(_imports(f))
-    seen |= set((ROOT / "sglang_tierstore").rglob("*.lua")) | set((ROOT / "sglang_tierstore").rglob("*.c"))
-    if job.server:
-        seen |= {f for f in CPU_HARNESS.rglob("*") if f.is_file() and "__pycache__" not in f.parts}
-    return sorted(str(f.relative_to(ROOT)) for f in seen)
-
 
 SMOKES = list({(j.script, j.quick): j for j in reversed(reproduce.JOBS)}.values())[::-1]  # one per distinct smoke run
 
@@ -121,41 +53,72 @@ def test_every_script_has_a_smoke_run_that_finishes_and_stamps(job: reproduce.Jo
 def test_every_committed_result_is_a_jobs_output_and_stamped() -> None:
     """What lies under scripts/results/ is exactly what reproduce.py regenerates: each
     file is an output of its job's directory, names the clean commit and the command it came
-    from, and no file it came from (:func:`sources`) has changed since that commit. A job
+    from, and no file it came from (``reproduce.sources``) has changed since that commit. A job
     named in ``TIERSTORE_REGENERATING`` (comma-separated; suite_timing.py names its own, whose
     timing it is replacing) may be stale, never stray or unstamped."""
     regenerating = set(filter(None, os.environ.get("TIERSTORE_REGENERATING", "").split(",")))
     outputs = {f"scripts/results/{j.name}/{o}" for j in reproduce.JOBS for o in j.outputs}
     patterns = [f"scripts/results/{j.name}/{g}" for j in reproduce.JOBS for g in j.also]
-    stray, unstamped, stale = [], [], []
-    deps = {j.name: sources(j) for j in reproduce.JOBS}
-    for p in sorted((ROOT / "scripts" / "results").rglob("*")):
-        rel = str(p.relative_to(ROOT))
-        if not p.is_file():
-            continue
-        if rel not in outputs and not any(fnmatch.fnmatch(rel, g) for g in patterns):
-            stray.append(rel)
-        elif p.suffix in (".json", ".txt"):
-            s = provenance.read_stamp(p) or {}
-            job = next(j for j in reproduce.JOBS if rel.startswith(f"scripts/results/{j.name}/"))
-            if not s.get("commit") or s.get("dirty") is not False:
-                unstamped.append(rel)
-            elif job.name not in regenerating and (changed := changed_since(s["commit"], deps[job.name])):
-                stale.append(f"{rel}: {', '.join(changed)} changed since {s['commit'][:12]}")
-    assert stray == [] and unstamped == [] and stale == []
+    stray = [rel for p in sorted((ROOT / "scripts" / "results").rglob("*")) if p.is_file()
+             for rel in [str(p.relative_to(ROOT))]
+             if rel not in outputs and not any(fnmatch.fnmatch(rel, g) for g in patterns)]
+    stale = [line for j in reproduce.JOBS for line in reproduce.why_stale(j, changes_ok=j.name in regenerating)]
+    assert stray == [] and stale == []
+
+
+def test_a_result_is_stale_when_missing_unstamped_dirty_or_older_than_its_sources(tmp_path: Path) -> None:
+    """What ``reproduce.py --stale`` and ``--list`` go by, on a job's files stamped by hand:
+    HEAD's clean commit is fresh; a commit before the engine changed, a dirty stamp, no
+    stamp or a missing output is stale (a job being rerun is stale only for the last three)."""
+    job = reproduce.job_named("bench_tags")
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    out = tmp_path / job.name
+    out.mkdir()
+
+    def stamp(commit: Optional[str], dirty: bool = False) -> None:
+        s = {"commit": commit, "dirty": dirty, "command": "python3 scripts/bench_tags.py"} if commit else None
+        (out / "bench_tags.json").write_text(json.dumps({"stamp": s, "x": 1} if s else {"x": 1}))
+        (out / "bench_tags.txt").write_text((provenance.header(s) + "\n" if s else "") + "figures\n")
+
+    stamp(head)
+    assert reproduce.why_stale(job, tmp_path) == []
+    engine_before = "2c494a6"  # the base bench_caller measures against: the engine changed since
+    assert reproduce.changed_since(engine_before, reproduce.sources(job))
+    stamp(engine_before)
+    why = reproduce.why_stale(job, tmp_path)
+    assert len(why) == 2 and all(f"changed since {engine_before}" in w for w in why), why
+    assert reproduce.why_stale(job, tmp_path, changes_ok=True) == []
+    stamp(head, dirty=True)
+    assert [w.split(": ", 1)[1] for w in reproduce.why_stale(job, tmp_path, changes_ok=True)] == ["stamped dirty"] * 2
+    stamp(None)
+    assert sorted(w.split(": ", 1)[1] for w in reproduce.why_stale(job, tmp_path)) == ["unstamped", "unstamped"]
+    (out / "bench_tags.txt").unlink()
+    assert any(w.endswith("bench_tags.txt: missing") for w in reproduce.why_stale(job, tmp_path, changes_ok=True))
+
+
+def test_stale_runs_only_the_jobs_whose_committed_results_are_stale() -> None:
+    """With every committed result fresh (what the committed-results test above checks),
+    ``--stale`` chooses no job and runs nothing; it refuses to mix with a smoke run."""
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "reproduce.py"), "--stale", "--no-figures"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0 and "reproduce: stale: none" in out.stderr, out.stderr[-2000:]
+    bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "reproduce.py"), "--stale", "--quick"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert bad.returncode == 2 and "--stale: regenerates committed results" in bad.stderr
 
 
 def test_the_sources_of_a_result_hold_the_engine_and_what_its_script_imports() -> None:
     """The staleness check above is only as good as this list: the engine's modules and its
     Lua are in every job's, helpers where a script imports them, the planners only there."""
-    bench = set(sources(reproduce.job_named("bench_io")))
+    bench = set(reproduce.sources(reproduce.job_named("bench_io")))
     assert {"sglang_tierstore/store.py", "sglang_tierstore/adapter.py", "sglang_tierstore/index/__init__.py",
             "sglang_tierstore/space/lua/writes.lua", "scripts/bench_io.py", "scripts/compare.py", "tests/pools.py"} <= bench
     assert not {"sglang_tierstore/plan.py", "sglang_tierstore/predict.py", "sglang_tierstore/cli.py"} & bench
-    load = set(sources(reproduce.job_named("loadtest")))
+    load = set(reproduce.sources(reproduce.job_named("loadtest")))
     assert {"sglang_tierstore/plan.py", "scripts/multiturn_loadtest.py", "tests/cpu_harness/server.py",
             "tests/cpu_harness/shim/sitecustomize.py"} <= load
-    assert {"sglang_tierstore/predict.py", "scripts/loadtest_tiers.py"} <= set(sources(reproduce.job_named("planner")))
+    assert {"sglang_tierstore/predict.py", "scripts/loadtest_tiers.py"} <= set(reproduce.sources(reproduce.job_named("planner")))
 
 
 def test_equivalent_versions_give_the_same_outputs(tmp_path: Path) -> None:
@@ -163,9 +126,9 @@ def test_equivalent_versions_give_the_same_outputs(tmp_path: Path) -> None:
     function's output the file gives now, on seeded samples of several shapes."""
     rng = random.Random(5)
     samples = [[rng.lognormvariate(0, s) for _ in range(n)] for n, s in ((5, 0.1), (12, 0.5), (40, 1.0))]
-    for path, commits in EQUIVALENT.items():
+    for path, commits in reproduce.EQUIVALENT.items():
         for c in commits:
-            (tmp_path / f"old_{c}.py").write_text(_show(c, path))
+            (tmp_path / f"old_{c}.py").write_text(reproduce.show(c, path))
             spec = importlib.util.spec_from_file_location(f"old_{c}", tmp_path / f"old_{c}.py")
             assert spec and spec.loader
             old = importlib.util.module_from_spec(spec)
