@@ -98,10 +98,17 @@ def test_a_result_is_stale_when_missing_unstamped_dirty_or_older_than_its_source
 
 
 def test_stale_runs_only_the_jobs_whose_committed_results_are_stale() -> None:
-    """With every committed result fresh (what the committed-results test above checks),
-    ``--stale`` chooses no job and runs nothing; it refuses to mix with a smoke run."""
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "reproduce.py"), "--stale", "--no-figures"],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    """A job whose committed results are fresh (what the committed-results test above
+    checks) is listed so and left alone by ``--stale``; ``--stale`` refuses a smoke run.
+    (One job only: the suite's timing runs this test while its own result is stale.)"""
+    job = reproduce.job_named("bench_tags")
+    assert reproduce.why_stale(job) == []
+    listed = subprocess.run([sys.executable, str(ROOT / "scripts" / "reproduce.py"), "--list"],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert listed.returncode == 0 and any(line.split()[:4] == ["bench_tags", f"{job.minutes:.0f}", "min", "fresh"]
+                                          for line in listed.stdout.splitlines()), listed.stdout
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "reproduce.py"), "--stale", "--only", job.name,
+                          "--no-figures"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0 and "reproduce: stale: none" in out.stderr, out.stderr[-2000:]
     bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "reproduce.py"), "--stale", "--quick"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
