@@ -59,7 +59,7 @@ def copy_us_per_page(pool: Any, repeat: int) -> tuple[dict[str, float], int]:
     plan = PagePlan(lambda i: pool.get_data_page(i, flat=False), ps, int(pool.size) // ps)
     staging = memoryview(mmap.mmap(-1, plan.page_bytes))
     staging[:] = os.urandom(plan.page_bytes)
-    pages = [[plan.regions((BATCH + i) * ps)] for i in range(BATCH)]
+    pages = [[r] for r in plan.regions([(BATCH + i) * ps for i in range(BATCH)])]
 
     def copy_batch() -> None:
         for p in pages:

@@ -259,7 +259,7 @@ class TierStoreBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
     def _read_into_pool(self, pool: _Pool, keys: List[str], host_indices: torch.Tensor) -> List[bool]:
         starts = self._host_pages(pool, keys, host_indices)
         if pool.plan is not None:
-            return self.store.read(pool.ns, keys, pool.plan.regions_many(starts), pool.plan.aligned)
+            return self.store.read(pool.ns, keys, pool.plan.regions(starts), pool.plan.aligned)
         pages = [pool.host_pool.get_dummy_flat_data_page() for _ in keys]
         ok = self.store.read(pool.ns, keys, [[tensor_bytes(p)] for p in pages], False)
         for start, page, hit in zip(starts, pages, ok):
@@ -270,7 +270,7 @@ class TierStoreBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
     def _write_from_pool(self, pool: _Pool, keys: List[str], host_indices: torch.Tensor) -> List[bool]:
         starts = self._host_pages(pool, keys, host_indices)
         if pool.plan is not None:
-            return self.store.write(pool.ns, keys, pool.plan.regions_many(starts), pool.plan.aligned)
+            return self.store.write(pool.ns, keys, pool.plan.regions(starts), pool.plan.aligned)
         pages = [pool.host_pool.get_data_page(s, flat=True).contiguous() for s in starts]
         return self.store.write(pool.ns, keys, [[tensor_bytes(p)] for p in pages], False)
 

@@ -84,16 +84,9 @@ class PagePlan:
         """Region lengths of a page: part of the namespace fingerprint."""
         return tuple(n for _, n in self._regions)
 
-    def regions(self, token_index: int) -> list[memoryview]:
-        """Writable views of the page that starts at host token ``token_index``."""
-        if token_index % self.page_size or not 0 <= token_index < self.num_pages * self.page_size:
-            raise IndexError(f"host index {token_index} is not a page start in this pool")
-        start = token_index // self.page_size * self._stride
-        mem = self._mem
-        return [mem[start + a : start + b] for a, b in self._spans]
-
-    def regions_many(self, token_indices: Sequence[int]) -> list[list[memoryview]]:
-        """:meth:`regions` of each page, in one loop (the hot path's, once per page)."""
+    def regions(self, token_indices: Sequence[int]) -> list[list[memoryview]]:
+        """Writable views of each page, by the host token index it starts at: the hot
+        path's one loop over a batch's pages."""
         ps, n, stride, mem, spans = self.page_size, self.num_pages * self.page_size, self._stride, self._mem, self._spans
         bad = next((i for i in token_indices if i % ps or not 0 <= i < n), None)
         if bad is not None:

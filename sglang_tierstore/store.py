@@ -497,12 +497,13 @@ class TierStore:
                 spans = [pb] * len(run)  # change during the call
                 pieces = _pieces(bufs, MAX_RUN_BYTES)
                 if len(pieces) == 1:
-                    ops.append(Transfer(WRITE, run[0].file, run[0].offset, bufs, len(run) * pb, aligned, spans))
+                    run_ops = [Transfer(WRITE, run[0].file, run[0].offset, bufs, len(run) * pb, aligned, spans)]
                 else:  # a page cut into pieces is hashed by an op of its own, so that a read waits for at most
-                    ops += [Transfer(WRITE, run[0].file, run[0].offset + off, piece, sum(map(len, piece)), aligned, [])
-                            for off, piece in pieces]  # one piece or one hash per thread
-                    ops.append(Transfer(HASH, None, 0, bufs, len(run) * pb, aligned, spans))
-                units += [run] * (len(ops) - len(units))
+                    run_ops = [Transfer(WRITE, run[0].file, run[0].offset + off, piece, sum(map(len, piece)), aligned, [])
+                               for off, piece in pieces]  # one piece or one hash per thread
+                    run_ops.append(Transfer(HASH, None, 0, bufs, len(run) * pb, aligned, spans))
+                ops += run_ops
+                units += [run] * len(run_ops)
 
             timeout = self.cfg.write_timeout_s
             deadline = mod_time.monotonic() + timeout if timeout else None
@@ -534,12 +535,11 @@ class TierStore:
                 self.metrics.error("io_write_timeout", late)
                 self.log.warning("io_write_timeout", "%d page(s) not written within write_timeout_s=%g s (a stalled disk, "
                                  "or I/O threads stuck on one): not stored", late, timeout)
-            tails = {}
-            for p in res.places:
-                if p.pos not in failed:
-                    sl = res.slots[p.pos]
-                    tails[p.pos] = a.tags.tail(fields[p.pos], sl.region, sl.gen, sl.slot, sums[p.pos])
-            status = res.commit(tails.keys(), tails, self.cfg.fsync == "commit")
+            written = [p.pos for p in res.places if p.pos not in failed]
+            slots = res.slots
+            tails = dict(zip(written, a.tags.tails([fields[i] for i in written],
+                                                   [(slots[i].region, slots[i].gen, slots[i].slot, sums[i]) for i in written])))
+            status = res.commit(written, tails, self.cfg.fsync == "commit")
         stored = sum(1 for s in status.values() if s == STORED)
         outcomes["stored"] += stored
         outcomes["exists"] += sum(1 for s in status.values() if s == EXISTS)

@@ -22,11 +22,15 @@ import hashlib
 import hmac
 import os
 import secrets
-from typing import Sequence
+import struct
+from typing import Iterable, Sequence
 
 from sglang_tierstore.errors import ConfigError
 from sglang_tierstore.perms import Modes, write_file
 from sglang_tierstore.schema import ENTRY_HEAD, SIGNED_BYTES, TAG_BYTES
+
+_SIGNED = struct.Struct(ENTRY_HEAD.format + "Q")  # the head, then the page's checksum: what a tag covers
+assert _SIGNED.size == SIGNED_BYTES
 
 KEY_FILE = "entry.key"
 KEY_BYTES = 32
@@ -45,10 +49,19 @@ class EntryTags:
         h.update(signed)
         return h.digest()
 
-    def tail(self, field: bytes, region: int, gen: int, slot: int, checksum: int) -> bytes:
-        """An entry after its head, as a writer sends it: the page's checksum and the tag."""
-        signed = ENTRY_HEAD.pack(region, gen, slot) + checksum.to_bytes(8, "little")
-        return signed[ENTRY_HEAD.size :] + self.tag(field, signed)
+    def tails(self, fields: Iterable[bytes], places: Iterable[tuple[int, int, int, int]]) -> list[bytes]:
+        """Each entry after its head, as a writer sends it (the page's checksum and the
+        tag), for ``fields`` placed at (region, gen, slot, checksum): the hot path's one
+        loop over a batch's pages."""
+        pack, keyed, head = _SIGNED.pack, self._h, ENTRY_HEAD.size
+        out = []
+        for field, place in zip(fields, places):
+            signed = pack(*place)
+            h = keyed.copy()
+            h.update(field)
+            h.update(signed)
+            out.append(signed[head:] + h.digest())
+        return out
 
     def valid(self, field: bytes, value: bytes) -> bool:
         return hmac.compare_digest(self.tag(field, value[:SIGNED_BYTES]), value[SIGNED_BYTES:])

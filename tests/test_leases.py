@@ -321,7 +321,7 @@ def test_an_idle_store_costs_redis_next_to_nothing_whatever_housekeeping_s(cfg: 
     try:
         ns = st.namespace({"m": "idle"}, 64 << 10)
         assert all(st.write(ns, keys(4, "idle"), views(pages(4, 64 << 10, 1)), False))
-        time.sleep(3.5)  # the waits double: 0.05 ... 1.6 s
+        time.sleep(3.5)  # the waits grow fourfold: 0.05 ... 3.2 s
         mon = Monitor(redis_proc.port)
         time.sleep(4.0)
         idle = sum(mon.commands().values())
@@ -330,6 +330,44 @@ def test_an_idle_store_costs_redis_next_to_nothing_whatever_housekeeping_s(cfg: 
         assert all(st.write(ns, keys(4, "woken"), views(pages(4, 64 << 10, 2)), False))
         time.sleep(0.5)
         assert any("_sweep" in line for line in mon.lines())  # a housekeeping pass ran within 0.5 s of the write
+    finally:
+        st.close()
+
+
+def test_an_idle_process_gives_its_leases_back_and_then_wakes_once_a_lease_s(cfg: dict[str, Any],
+                                                                           redis_proc: RedisProc) -> None:
+    """Passes on an injected clock: nothing read or written, a writer keeps its stock (and
+    housekeeping its 5 s cap, to renew it) until the process has been idle for IDLE_MAX_S;
+    then the stock goes back to the regions (free, not leaked to the lease's expiry), the
+    cap becomes lease_s, and the audit waits as long. The next write leases anew and is
+    stored; its activity brings the short waits back."""
+    from sglang_tierstore.space.housekeeping import IDLE_MAX_S
+
+    later = [0.0]
+    st = engine(cfg, lease_s=60, clock=lambda: time.time() + later[0])
+    try:
+        ns = st.namespace({"m": "idle-release"}, 64 << 10)
+        assert all(st.write(ns, keys(4, "before"), views(pages(4, 64 << 10, 1)), False))
+        hk, a = st.space.housekeeping, st.space.attached()
+        before = inspect.page_sizes(st)[64 << 10]
+        assert before["leased"] > 0  # the writer's stock
+        hk.run_once()  # the write's pass: busy
+        assert hk.idle_max_s == IDLE_MAX_S and a.leases.holding()
+        hk.run_once()  # the first idle pass: idle from now, the stock kept
+        later[0] += IDLE_MAX_S - 1
+        hk.run_once()
+        assert a.leases.holding() and hk.idle_max_s == IDLE_MAX_S
+        later[0] += 1
+        hk.run_once()  # idle for IDLE_MAX_S: the stock goes back
+        assert not a.leases.holding() and hk.idle_max_s == 60 == hk.idle_audit_s
+        after = inspect.page_sizes(st)[64 << 10]
+        assert after["leased"] == 0 and after["dead"] == before["dead"]  # given back, not left to expire dead
+        assert inspect.check(st) == []
+        assert all(st.write(ns, keys(4, "after"), views(pages(4, 64 << 10, 2)), False))
+        assert a.leases.holding()
+        assert st.read(ns, keys(4, "after"), views(pages(4, 64 << 10, 0)), False) == [True] * 4
+        hk.run_once()  # activity: busy again
+        assert hk.idle_max_s == IDLE_MAX_S and a.leases.holding()
     finally:
         st.close()
 

@@ -87,6 +87,25 @@ def test_a_flushed_library_is_loaded_again(tmp_path: Path, private_server: Redis
         st.close()
 
 
+def test_an_argument_redis_cannot_carry_raises_before_anything_is_sent(tmp_path: Path,
+                                                                      private_server: RedisProc) -> None:
+    """Requests are packed before any is written: an argument that is not str, bytes, int or
+    float (None, a bool) raises redis.DataError, no command reaches the server, and the
+    connection goes on serving."""
+    st = engine(cfg_for(tmp_path, private_server))
+    try:
+        round_trip(st, "a")
+        mon = Monitor(private_server.port)
+        for bad in (None, True):
+            with pytest.raises(redis.DataError):
+                st.index.set_nx("tierstore-test-key", bad, 1000)  # type: ignore[arg-type]
+        assert "SET" not in mon.commands()
+        assert st.index.set_nx("tierstore-test-key", b"v", 1000)
+        round_trip(st, "b")
+    finally:
+        st.close()
+
+
 def test_a_server_without_functions_runs_the_library_as_scripts(tmp_path: Path, server: str) -> None:
     """FCALL and FUNCTION renamed away, as some proxies and managed services do: the same
     library runs as one script per function, by EVALSHA; a flushed script cache reloads."""

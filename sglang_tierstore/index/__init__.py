@@ -35,6 +35,7 @@ import time as mod_time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
+import hiredis
 import redis
 
 from sglang_tierstore.errors import ConfigError, IndexRefusesWrites, IndexUnavailable, StoreDetached, TierStoreError
@@ -170,9 +171,17 @@ _SETTLE_S = 0.02  # first wait before resending after TRYAGAIN/CLUSTERDOWN (doub
 # migrated with the call's keys split (TRYAGAIN), a slot no master serves (CLUSTERDOWN).
 _CLUSTER_BUSY = (redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError)
 _NONE = object()
-# Encodes every request before any is sent (an argument Redis cannot take raises then): a
-# connection that is never connected, used only for its stateless command packer.
-_PACKER = redis.connection.Connection()
+
+
+def _pack(commands: Sequence[Command]) -> list[bytes]:
+    """One node's pipelined request, in hiredis's packer: arguments are str, bytes, int or
+    float (redis-py's own packer checks and converts each one in Python, which on a write
+    cost more than the rest of the call). Anything else raises ``redis.DataError``, before
+    any request of the round trip is sent."""
+    try:
+        return [b"".join([hiredis.pack_command(tuple(c)) for c in commands])]
+    except TypeError as e:
+        raise redis.DataError(str(e)) from None
 
 
 class RedisIndex:
@@ -516,7 +525,7 @@ def _exchange(groups: Sequence[tuple[Node, Sequence[Sequence[Command]]]]) -> lis
     :class:`IndexUnavailable` (and opens its breaker). Nothing is retried."""
     out: list[list[Any]] = []
     sent: list[tuple[int, Node, Any, Sequence[Sequence[Command]]]] = []
-    requests = [_PACKER.pack_commands([c for cmds in items for c in cmds]) for _, items in groups]  # DataError here
+    requests = [_pack([c for cmds in items for c in cmds]) for _, items in groups]  # DataError here
     try:
         for (node, items), request in zip(groups, requests):
             if not node.available:

@@ -9,11 +9,15 @@ audited (:meth:`Files.audit`). Each sweep call handles at most ``MAX_WORK`` regi
 leases; a pass repeats them while they do that much. Eviction moves index entries and
 never waits on a file, so no single bad file can wedge it.
 
-A pass with nothing to do costs one ``sweep`` call per shard (and the audit's reads
-every ``audit_s``); after one, the thread waits twice as long, up to ``idle_max_s`` (5 s,
-or ``lease_s / 4``), until pages are read or written again (:meth:`Housekeeper.wake`),
-so an idle store costs next to nothing whatever ``housekeeping_s`` is. Tests drive
-:meth:`Housekeeper.run_once` with an injected clock.
+A pass with nothing to do costs one ``sweep`` call per shard; after one, the thread waits
+four times as long, until pages are read or written again (:meth:`Housekeeper.wake`), up to
+``idle_max_s``: 5 s (or ``lease_s / 4``) while the process holds a lease to renew. Once
+nothing was read or written for ``IDLE_MAX_S`` the process gives its leases back (its
+next write leases anew), and then waits up to ``lease_s``, auditing the files only every
+``idle_audit_s`` (``lease_s``) instead of every ``audit_s``: each wake-up is the cost
+(on a virtual machine whose idle core comes back cold, over a millisecond of CPU for a
+pass that takes a tenth of that hot), so an idle store wakes once a ``lease_s``, whatever
+``housekeeping_s`` is. Tests drive :meth:`Housekeeper.run_once` with an injected clock.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ if TYPE_CHECKING:
     from sglang_tierstore.space import Attachment, Space
 
 MAX_WORK = 256  # regions or leases handled per shard and call: bounds each call
-IDLE_MAX_S = 5.0  # the longest wait between passes of an idle store (see Housekeeper.idle_max_s)
+IDLE_BACKOFF = 4  # each idle pass waits this many times longer than the last (a read or write wakes it)
+IDLE_MAX_S = 5.0  # idle this long, a process gives its leases back; till then its longest wait between passes
 DIR_RETIRE_LEASES = 10  # a directory no process reported for this many lease_s is forgotten
 
 
@@ -44,11 +49,21 @@ class Housekeeper:
         self._activity = 0  # the space's activity count at the last pass
         self._draining = False
         self._thread: Optional[threading.Thread] = None
-        self._next_audit = 0.0
+        self._last_audit = float("-inf")
+        self._idle_since: Optional[float] = None  # the first pass that found nothing read or written
+        self._holding = True  # whether the last pass left this process a lease to renew
 
     @property
     def audit_s(self) -> float:
+        """Between audits while pages are read or written."""
         return min(5.0, self.space.cfg.lease_s / 2)
+
+    @property
+    def idle_audit_s(self) -> float:
+        """Between audits while nothing is read or written: the store's directories are
+        still reported far within ``DIR_RETIRE_LEASES * lease_s``, and a file lost
+        meanwhile is found by the first read or write that meets it."""
+        return max(self.audit_s, self.space.cfg.lease_s)
 
     def run_once(self, audit: Optional[bool] = None) -> bool:
         """One pass; ``audit`` forces (True) or skips (False) the file audit. Index
@@ -61,13 +76,20 @@ class Housekeeper:
             a = space.attached()
             a.flush_touches()
             now = space.clock()
-            if audit or (audit is None and now >= self._next_audit):
-                self._next_audit = now + self.audit_s
+            idle = seen == self._activity
+            if not idle:
+                self._idle_since = None
+            elif self._idle_since is None:
+                self._idle_since = now
+            if audit or (audit is None and now >= self._last_audit + (self.idle_audit_s if idle else self.audit_s)):
+                self._last_audit = now
                 a.files.audit(DIR_RETIRE_LEASES * space.cfg.lease_s)
             a.files.forget_lost(MAX_WORK)
-            work = self.sweep(a)
+            release = self._idle_since is not None and now - self._idle_since >= IDLE_MAX_S
+            work = self.sweep(a, release)
             while work >= MAX_WORK:  # shrinking a lot at once: keep going, a bounded call at a time
-                work = self.sweep(a)
+                work = self.sweep(a, release)
+            self._holding = a.leases.holding()
             return work > 0 or space.activity != self._activity or self._draining
         except StoreUnavailable as e:  # the index down, full or read-only, the disk full, no store yet
             if e.kind == NoStoreYet.kind:
@@ -86,10 +108,12 @@ class Housekeeper:
 
     @property
     def idle_max_s(self) -> float:
-        """The longest wait between passes of an idle store: leases are renewed well
-        within their term, and a capacity change reaches every process within seconds."""
+        """The longest wait between passes of an idle store: while this process holds a
+        lease, leases are renewed well within their term and a capacity change reaches
+        it within seconds; once it gave them back, ``idle_audit_s`` (a capacity change
+        then waits for a process that reads or writes, or for that)."""
         cfg = self.space.cfg
-        return max(cfg.housekeeping_s, min(IDLE_MAX_S, cfg.lease_s / 4))
+        return max(cfg.housekeeping_s, min(IDLE_MAX_S, cfg.lease_s / 4) if self._holding else self.idle_audit_s)
 
     def wake(self) -> None:
         """Pages are being read or written: an idle-backed-off thread runs a pass now."""
@@ -97,8 +121,9 @@ class Housekeeper:
             self._backing_off = False
             self._wake.set()
 
-    def sweep(self, a: "Attachment") -> int:
-        """One sweep call per shard; the regions and leases handled in all."""
+    def sweep(self, a: "Attachment", release_idle: bool = False) -> int:
+        """One sweep call per shard, then the stocks tidied (``release_idle``: every lease
+        not writing given back); the regions and leases handled in all."""
         space, leases, g = self.space, a.leases, a.geometry
         work = draining = 0
         for s in range(g.shards):
@@ -121,7 +146,7 @@ class Housekeeper:
             draining += drain
             work += expired + evicted + len(punched)
         self._draining = draining > 0
-        space.metrics.housekeeping("stocks_tidied", leases.tidy(draining > 0))
+        space.metrics.housekeeping("stocks_tidied", leases.tidy(draining > 0, release_idle))
         return work
 
     def _loop(self) -> None:
@@ -139,7 +164,7 @@ class Housekeeper:
                 self.space.metrics.error("internal")
                 self.space.log.exception("internal:housekeeping", "housekeeping crashed; continuing", exc=e)
             base = self.space.cfg.housekeeping_s
-            wait = base if busy else min(self.idle_max_s, 2 * wait)
+            wait = base if busy else min(self.idle_max_s, IDLE_BACKOFF * wait)
             self._backing_off = wait > base
 
     def start(self, on_index_down: Optional[Callable[[], None]] = None) -> None:

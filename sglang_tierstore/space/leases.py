@@ -255,16 +255,19 @@ class Leases:
             args += [give_up[a].region, give_up[a].slot, b - a]
         return args
 
-    def tidy(self, draining: bool) -> int:
+    def tidy(self, draining: bool, idle: bool = False) -> int:
         """Housekeeping of stocks: a thread that exited gives its whole lease back; with
-        regions ``draining``, an idle thread gives back its slots in them (a busy one does
-        at its next commit). Returns how many stocks were tidied."""
+        the process ``idle`` (nothing read or written for a while) so does every thread not
+        writing (its next write leases anew), so that an idle process holds no lease that
+        housekeeping must wake up to renew; with regions ``draining``, an idle thread gives
+        back its slots in them (a busy one does at its next commit). Returns how many
+        stocks were tidied."""
         with self._lock:
             stocks = list(self._stocks.values())
         done = 0
         for st in stocks:
             gone = not st.thread.is_alive()
-            if not gone and not draining:
+            if not (gone or draining or (idle and st.ranges)):
                 continue
             if not st.lock.acquire(blocking=False):
                 continue  # writing now: its commit settles its slots
@@ -273,6 +276,8 @@ class Leases:
                     self._release(st)
                     with self._lock:
                         self._stocks.pop(st.lease, None)
+                elif idle:
+                    self._release(st)
                 else:
                     for shard in list(st.ranges):
                         out = self.index.call("release_draining", self._keys[shard],
@@ -305,6 +310,12 @@ class Leases:
             finally:
                 st.lock.release()
         return kept
+
+    def holding(self) -> bool:
+        """Whether some thread of this process holds a lease (slots, or a lease that the
+        last call left in the index), which housekeeping must renew within ``lease_s``."""
+        with self._lock:
+            return any(st.ranges for st in self._stocks.values())
 
     # -- renewal (housekeeping's sweep) ------------------------------------------------
 
