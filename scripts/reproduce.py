@@ -17,7 +17,8 @@ another commit fails the command (the other jobs still run, and their outputs st
 
 A committed result is stale when an output is missing, unstamped or stamped dirty, or
 when a file it comes from (:func:`sources`) changed since the commit its stamp names
-(``tests/test_reproduce.py`` fails CI on one). ``--stale`` runs just those jobs: a
+(``tests/test_reproduce.py`` fails CI on one). ``--stale`` runs just those jobs, and a
+load test runs one labelled round at a time, keeping the rounds already fresh: a
 regeneration longer than one sitting goes on where it stopped.
 
 ``--quick`` never writes under ``scripts/results/`` unless ``--results`` says so: its
@@ -35,6 +36,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional, Sequence
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -60,6 +62,7 @@ class Job:
     minutes: float
     server: bool = False  # starts real SGLang servers (its smoke run is in the suite's server lane)
     also: tuple[str, ...] = ()  # glob patterns of further files it leaves (per-run files, plots)
+    rounds: bool = False  # a load test whose --rounds run one labelled round at a time (see run_rounds)
 
 
 # the load tests' smoke: two configurations, two rounds, a model too small to mean anything
@@ -98,14 +101,15 @@ JOBS: tuple[Job, ...] = (
          "--json", "{dir}/stress.json"),
         ("stress.json", "stress.txt"), "stress.txt", 12),
     Job("loadtest", "loadtest_tiers.py",
-        ("--rounds", "3", "--num-clients", "20", "--num-rounds", "3", "--workdir", "/var/tmp/tierstore-loadtest",
+        ("--configs", "no-hicache,l2,l2+file,l2+tierstore", "--rounds", "3", "--num-clients", "20", "--num-rounds", "3",
+         "--workdir", "/var/tmp/tierstore-loadtest",
          "--output-dir", "{dir}"),
-        QUICK_LOADTEST, LOADTEST_OUTPUTS, None, 105, server=True, also=LOADTEST_ALSO),
+        QUICK_LOADTEST, LOADTEST_OUTPUTS, None, 130, server=True, also=LOADTEST_ALSO, rounds=True),
     Job("interference", "loadtest_tiers.py",
         ("--configs", "l2,l2+file,l2+tierstore", "--rounds", "5", "--num-clients", "16", "--num-rounds", "3",
          "--think-time-median", "20", "--request-rate", "0.4", "--output-length", "32", "--idle-s", "20",
          "--workdir", "/var/tmp/tierstore-interference", "--output-dir", "{dir}"),
-        QUICK_LOADTEST, LOADTEST_OUTPUTS, None, 75, server=True, also=LOADTEST_ALSO),
+        QUICK_LOADTEST, LOADTEST_OUTPUTS, None, 75, server=True, also=LOADTEST_ALSO, rounds=True),
     Job("planner", "plan_validate.py", ("--output-dir", "{dir}"), ("--quick", "--output-dir", "{dir}"),
         ("validation.json", "validation.txt"), None, 30, server=True, also=("*/*",)),
     Job("suite", "suite_timing.py", ("--out", "{dir}/suite.json"), ("--quick", "--out", "{dir}/suite.json"),
@@ -179,6 +183,21 @@ def sources(job: Job) -> list[str]:
     return sorted(str(f.relative_to(ROOT)) for f in seen)
 
 
+def _why(path: Path, deps: list[str], changes_ok: bool = False) -> Optional[str]:
+    """Why ``path`` does not describe HEAD (None: it does): missing, unstamped, stamped
+    dirty, or (unless ``changes_ok``) one of ``deps`` changed since its commit."""
+    if not path.exists():
+        return "missing"
+    if path.suffix not in (".json", ".txt"):
+        return None
+    s = read_stamp(path) or {}
+    if not s.get("commit") or s.get("dirty") is not False:
+        return "stamped dirty" if s.get("commit") else "unstamped"
+    if not changes_ok and (changed := changed_since(s["commit"], deps)):
+        return f"{', '.join(changed)} changed since {s['commit'][:12]}"
+    return None
+
+
 def why_stale(job: Job, results: Path = RESULTS, changes_ok: bool = False) -> list[str]:
     """Why the job's results under ``results`` no longer describe HEAD, one line per file
     (empty: they do). Covers the outputs the job must leave and every stamped file it left;
@@ -187,20 +206,8 @@ def why_stale(job: Job, results: Path = RESULTS, changes_ok: bool = False) -> li
     out = results / job.name
     files = {out / o for o in job.outputs} | {p for g in job.also for p in out.glob(g) if p.suffix in (".json", ".txt")}
     deps = sources(job)
-    why = []
-    for path in sorted(files):
-        rel = path.relative_to(results.parent) if results == RESULTS else path
-        if not path.exists():
-            why.append(f"{rel}: missing")
-            continue
-        if path.suffix not in (".json", ".txt"):
-            continue
-        s = read_stamp(path) or {}
-        if not s.get("commit") or s.get("dirty") is not False:
-            why.append(f"{rel}: {'stamped dirty' if s.get('commit') else 'unstamped'}")
-        elif not changes_ok and (changed := changed_since(s["commit"], deps)):
-            why.append(f"{rel}: {', '.join(changed)} changed since {s['commit'][:12]}")
-    return why
+    return [f"{path.relative_to(results.parent) if results == RESULTS else path}: {why}"
+            for path in sorted(files) if (why := _why(path, deps, changes_ok))]
 
 
 def job_named(name: str) -> Job:
@@ -210,28 +217,77 @@ def job_named(name: str) -> Job:
     raise SystemExit(f"reproduce: no job {name!r}; jobs: {', '.join(j.name for j in JOBS)}")
 
 
-def run_job(job: Job, results: Path, quick: bool, commit: str, timeout_s: float) -> float:
-    """Run ``job`` into ``results/<name>``, replacing what was there; returns its seconds.
-    Raises SystemExit naming the job when it fails or an output is missing or misstamped."""
-    out = results / job.name
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    argv = [sys.executable, str(HERE / job.script), *(a.replace("{dir}", str(out)) for a in (job.quick if quick else job.full))]
+def labelled_rounds(args: Sequence[str]) -> tuple[list[tuple[list[str], list[str]]], list[str]]:
+    """A load test's ``--configs C --rounds N`` as N invocations of one round each, labelled
+    ``rK`` and with its configurations rotated K-1 places as the script's own ``--rounds``
+    runs them ((configurations, arguments) each), then the report over them all
+    (``--report-only``)."""
+    a = list(args)
+    i = a.index("--rounds")
+    n = int(a[i + 1])
+    del a[i : i + 2]
+    j = a.index("--configs")
+    configs = a[j + 1].split(",")
+    rounds = []
+    for k in range(n):
+        rotated = configs[k % len(configs) :] + configs[: k % len(configs)]
+        rounds.append((rotated, [*a[: j + 1], ",".join(rotated), *a[j + 2 :], "--label", f"r{k + 1}"]))
+    return rounds, [*args, "--report-only"]
+
+
+def _run(job: Job, argv: list[str], out: Path, sink_name: Optional[str], timeout_s: float) -> None:
+    argv = [sys.executable, str(HERE / job.script), *(a.replace("{dir}", str(out)) for a in argv)]
     print(f"reproduce: {job.name}: {' '.join(argv[1:])}", file=sys.stderr, flush=True)
-    t0 = time.monotonic()
-    with open(out / job.stdout, "w") if job.stdout else open("/dev/null", "w") as sink:
+    with open(out / sink_name, "w") if sink_name else open("/dev/null", "w") as sink:
         try:
             rc = subprocess.run(argv, stdout=sink, cwd=HERE.parent, timeout=timeout_s).returncode
         except subprocess.TimeoutExpired:
             raise SystemExit(f"reproduce: {job.name} ran past {timeout_s:.0f} s") from None
     if rc != 0:
-        raise SystemExit(f"reproduce: {job.name} exited {rc} (its report so far: {out / (job.stdout or '')})")
+        raise SystemExit(f"reproduce: {job.name} exited {rc} (its report so far: {out / (sink_name or '')})")
+
+
+def run_rounds(job: Job, args: Sequence[str], out: Path, timeout_s: float) -> None:
+    """A rounds job, resumable: each round whose every run left a fresh summary (stamped
+    clean, nothing it comes from changed since) is kept, the others run again, one
+    labelled invocation each; then the extra calibrations go (round 1's is the job's)
+    and the report runs over every round. A regeneration cut off mid-job goes on from
+    the first round it had not finished."""
+    out.mkdir(parents=True, exist_ok=True)
+    deps = sources(job)
+    rounds, report = labelled_rounds(args)
+    for k, (configs, argv) in enumerate(rounds, 1):
+        if all(_why(out / f"{c}@r{k}.summary.json", deps) is None for c in configs):
+            print(f"reproduce: {job.name}: round r{k} kept (fresh)", file=sys.stderr, flush=True)
+            continue
+        _run(job, argv, out, None, timeout_s)
+    for extra in out.glob("calibration@r*.json"):
+        if extra.name != "calibration@r1.json":
+            extra.unlink()
+    _run(job, report, out, job.stdout, timeout_s)
+
+
+def run_job(job: Job, results: Path, quick: bool, commit: str, timeout_s: float) -> float:
+    """Run ``job`` into ``results/<name>``, replacing what was there (a rounds job keeps
+    its fresh rounds: :func:`run_rounds`); returns its seconds. Raises SystemExit naming
+    the job when it fails or an output is missing or misstamped."""
+    out = results / job.name
+    args = job.quick if quick else job.full
+    t0 = time.monotonic()
+    if job.rounds:
+        run_rounds(job, args, out, timeout_s)
+    else:
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        _run(job, list(args), out, job.stdout, timeout_s)
+    deps = sources(job)
     for name in job.outputs:
         path = out / name
         if not path.exists():
             raise SystemExit(f"reproduce: {job.name} left no {path}")
         s = read_stamp(path) if path.suffix in (".json", ".txt") else {"commit": commit}
-        if not s or s.get("commit") != commit:
+        kept = job.rounds and name.startswith("calibration@") and _why(path, deps) is None  # a kept round's
+        if not kept and (not s or s.get("commit") != commit):
             raise SystemExit(f"reproduce: {path} is not stamped with this commit ({commit[:12]}): {s and s.get('commit')}")
     return time.monotonic() - t0
 

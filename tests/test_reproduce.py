@@ -163,6 +163,58 @@ def test_a_job_that_fails_or_leaves_an_unstamped_output_fails_reproduce(tmp_path
         reproduce.run_job(failing, tmp_path / "r", quick=False, commit="0" * 40, timeout_s=60)
 
 
+FAKE_LOADTEST = """
+import argparse, json, sys
+sys.path.insert(0, {scripts!r})
+from provenance import header
+ap = argparse.ArgumentParser()
+for a in ("--configs", "--rounds", "--label", "--output-dir", "--log"):
+    ap.add_argument(a)
+ap.add_argument("--report-only", action="store_true")
+a = ap.parse_args()
+stamp = {{"commit": {commit!r}, "dirty": False, "command": "python3 scripts/fake.py"}}
+with open(a.log, "a") as f:
+    f.write(" ".join(sys.argv[1:]) + "\\n")
+if a.report_only:
+    for name in ("rounds.json", "planner.json"):
+        json.dump({{"stamp": stamp}}, open(f"{{a.output_dir}}/{{name}}", "w"))
+    open(f"{{a.output_dir}}/summary.txt", "w").write(header(stamp) + "\\nreport\\n")
+else:
+    for c in a.configs.split(","):
+        json.dump({{"stamp": stamp}}, open(f"{{a.output_dir}}/{{c}}@{{a.label}}.summary.json", "w"))
+    json.dump({{"stamp": stamp}}, open(f"{{a.output_dir}}/calibration@{{a.label}}.json", "w"))
+"""
+
+
+def test_a_rounds_job_runs_one_labelled_round_at_a_time_and_resumes(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load test's rounds run as labelled invocations, configurations rotated as the
+    script's own --rounds rotates them, then one report; run again, only a round that
+    is no longer fresh runs (a regeneration cut off mid-job goes on where it stopped)."""
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    fake = tmp_path / "fake.py"
+    fake.write_text(FAKE_LOADTEST.format(scripts=str(ROOT / "scripts"), commit=head))
+    log = tmp_path / "calls.log"
+    job = reproduce.Job("lt", str(fake), ("--configs", "a,b", "--rounds", "3", "--output-dir", "{dir}", "--log", str(log)),
+                        (), ("summary.txt", "rounds.json", "planner.json", "calibration@r1.json"), None, 1, rounds=True)
+    monkeypatch.setattr(reproduce, "sources", lambda j: ["scripts/reproduce.py"])  # the fake's stamps name HEAD
+    results = tmp_path / "results"
+    reproduce.run_job(job, results, quick=False, commit=head, timeout_s=60)
+    calls = [line.split() for line in log.read_text().splitlines()]
+    assert [(c[c.index("--configs") + 1], c[c.index("--label") + 1]) for c in calls[:3]] == [
+        ("a,b", "r1"), ("b,a", "r2"), ("a,b", "r3")]
+    assert "--report-only" in calls[3] and calls[3][calls[3].index("--rounds") + 1] == "3" and len(calls) == 4
+    assert sorted(p.name for p in (results / "lt").glob("calibration@*")) == ["calibration@r1.json"]
+    stale = results / "lt" / "b@r2.summary.json"
+    stale.write_text(json.dumps({"stamp": {"commit": head, "dirty": True}}))
+    log.unlink()
+    reproduce.run_job(job, results, quick=False, commit=head, timeout_s=60)
+    calls = [line.split() for line in log.read_text().splitlines()]
+    assert len(calls) == 2 and calls[0][calls[0].index("--label") + 1] == "r2" and "--report-only" in calls[1]
+    assert reproduce.why_stale(job, results) == []
+
+
 def test_a_stamp_round_trips_through_json_and_text(tmp_path: Path) -> None:
     s = provenance.stamp(["scripts/x.py", "--flag"], directory=str(tmp_path), server_flags=["--save ''"])
     assert s["command"] == "python3 scripts/x.py --flag" and s["server_flags"] == ["--save ''"]
