@@ -280,13 +280,12 @@ def run_job(job: Job, results: Path, quick: bool, commit: str, timeout_s: float)
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
         _run(job, list(args), out, job.stdout, timeout_s)
-    deps = sources(job)
     for name in job.outputs:
         path = out / name
         if not path.exists():
             raise SystemExit(f"reproduce: {job.name} left no {path}")
         s = read_stamp(path) if path.suffix in (".json", ".txt") else {"commit": commit}
-        kept = job.rounds and name.startswith("calibration@") and _why(path, deps) is None  # a kept round's
+        kept = job.rounds and name.startswith("calibration@") and _why(path, sources(job)) is None  # a kept round's
         if not kept and (not s or s.get("commit") != commit):
             raise SystemExit(f"reproduce: {path} is not stamped with this commit ({commit[:12]}): {s and s.get('commit')}")
     return time.monotonic() - t0
