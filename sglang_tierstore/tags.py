@@ -55,7 +55,7 @@ class EntryTags:
         loop over a batch's pages."""
         pack, keyed, head = _SIGNED.pack, self._h, ENTRY_HEAD.size
         out = []
-        for field, place in zip(fields, places):
+        for field, place in zip(fields, places, strict=True):
             signed = pack(*place)
             h = keyed.copy()
             h.update(field)

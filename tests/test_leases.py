@@ -334,13 +334,15 @@ def test_an_idle_store_costs_redis_next_to_nothing_whatever_housekeeping_s(cfg: 
         st.close()
 
 
-def test_an_idle_process_gives_its_leases_back_and_then_wakes_once_a_lease_s(cfg: dict[str, Any],
-                                                                           redis_proc: RedisProc) -> None:
+def test_an_idle_process_gives_its_leases_back_and_then_wakes_once_a_lease_s(cfg: dict[str, Any], redis_proc: RedisProc,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Passes on an injected clock: nothing read or written, a writer keeps its stock (and
-    housekeeping its 5 s cap, to renew it) until the process has been idle for IDLE_MAX_S;
-    then the stock goes back to the regions (free, not leaked to the lease's expiry), the
-    cap becomes lease_s, and the audit waits as long. The next write leases anew and is
-    stored; its activity brings the short waits back."""
+    housekeeping its 5 s cap, to renew it) until the process has been idle for IDLE_MAX_S,
+    and never while it is writing; then the stock goes back to the regions (free, not
+    left to expire dead), the cap becomes lease_s and the audit waits as long. A release
+    whose call fails leaves the writer no slot to take (the index may have given them
+    away) and is tried again. The next write leases anew; its activity brings the short
+    waits back."""
     from sglang_tierstore.space.housekeeping import IDLE_MAX_S
 
     later = [0.0]
@@ -349,19 +351,40 @@ def test_an_idle_process_gives_its_leases_back_and_then_wakes_once_a_lease_s(cfg
         ns = st.namespace({"m": "idle-release"}, 64 << 10)
         assert all(st.write(ns, keys(4, "before"), views(pages(4, 64 << 10, 1)), False))
         hk, a = st.space.housekeeping, st.space.attached()
+        audits = []
+        real_audit = a.files.audit
+        monkeypatch.setattr(a.files, "audit", lambda *x: audits.append(later[0]) or real_audit(*x))
         before = inspect.page_sizes(st)[64 << 10]
         assert before["leased"] > 0  # the writer's stock
-        hk.run_once()  # the write's pass: busy
-        assert hk.idle_max_s == IDLE_MAX_S and a.leases.holding()
+        hk.run_once()  # the write's pass: busy, audits
+        assert hk.idle_max_s == IDLE_MAX_S and a.leases.holding() and audits == [0.0]
         hk.run_once()  # the first idle pass: idle from now, the stock kept
-        later[0] += IDLE_MAX_S - 1
+        later[0] += IDLE_MAX_S
+        with a.leases.writing():  # idle long enough, but this thread is mid-write: its stock stays
+            t = threading.Thread(target=hk.run_once)
+            t.start()
+            t.join()
+        assert a.leases.holding() and a.leases.stocked(0, 64 << 10) > 0 and hk.idle_max_s == IDLE_MAX_S
+
+        real_calls = st.index.calls
+
+        def release_fails(calls: Any) -> Any:
+            if calls and calls[0][0] == "release":
+                raise IndexUnavailable("test: the release's node failed")
+            return real_calls(calls)
+
+        monkeypatch.setattr(st.index, "calls", release_fails)
         hk.run_once()
-        assert a.leases.holding() and hk.idle_max_s == IDLE_MAX_S
-        later[0] += 1
-        hk.run_once()  # idle for IDLE_MAX_S: the stock goes back
+        assert a.leases.stocked(0, 64 << 10) == 0 and a.leases.holding()  # nothing to take; to be released again
+        monkeypatch.setattr(st.index, "calls", real_calls)
+        hk.run_once()  # released now
         assert not a.leases.holding() and hk.idle_max_s == 60 == hk.idle_audit_s
         after = inspect.page_sizes(st)[64 << 10]
         assert after["leased"] == 0 and after["dead"] == before["dead"]  # given back, not left to expire dead
+        assert audits == [0.0]  # idle: none since the busy pass
+        later[0] += 60
+        hk.run_once()
+        assert audits == [0.0, later[0]]  # once a lease_s
         assert inspect.check(st) == []
         assert all(st.write(ns, keys(4, "after"), views(pages(4, 64 << 10, 2)), False))
         assert a.leases.holding()

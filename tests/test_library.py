@@ -89,18 +89,19 @@ def test_a_flushed_library_is_loaded_again(tmp_path: Path, private_server: Redis
 
 def test_an_argument_redis_cannot_carry_raises_before_anything_is_sent(tmp_path: Path,
                                                                       private_server: RedisProc) -> None:
-    """Requests are packed before any is written: an argument that is not str, bytes, int or
-    float (None, a bool) raises redis.DataError, no command reaches the server, and the
-    connection goes on serving."""
+    """A round trip's requests are packed before any is written: an argument that is not
+    str, bytes, int or float (None, a bool, a bytearray) in the last command of a
+    transaction raises redis.DataError, not one of its commands reaches the server (no
+    MULTI left open), and the connection goes on serving."""
     st = engine(cfg_for(tmp_path, private_server))
     try:
         round_trip(st, "a")
         mon = Monitor(private_server.port)
-        for bad in (None, True):
+        for bad in (None, True, bytearray(b"v")):
             with pytest.raises(redis.DataError):
-                st.index.set_nx("tierstore-test-key", bad, 1000)  # type: ignore[arg-type]
-        assert "SET" not in mon.commands()
-        assert st.index.set_nx("tierstore-test-key", b"v", 1000)
+                st.index.hsetnx_all("tierstore-test-hash", {"a": "x", "b": bad})
+        assert not {"MULTI", "HSETNX", "EXEC"} & set(mon.commands())
+        assert st.index.hsetnx_all("tierstore-test-hash", {"a": "x", "b": "y"}) == {"a": "x", "b": "y"}
         round_trip(st, "b")
     finally:
         st.close()

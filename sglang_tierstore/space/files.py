@@ -10,7 +10,8 @@ A file is added when a writer finds no region left without one: ``add_file`` rec
 it (creating), the file is written, ``file_ready`` turns its regions into holes. A file
 found gone (deleted, replaced, truncated: :class:`~sglang_tierstore.errors.FileGone`)
 is queued; housekeeping then forgets it (``lose_file``: its pages dropped, its
-capacity back). The audit (every ``audit_s``) checks every file against its path,
+capacity back). The audit (every ``audit_s``, or ``idle_audit_s`` while nothing is read or
+written: see :mod:`.housekeeping`) checks every file against its path,
 removes files the index does not account for, reports this process's directories, and
 forgets directories no process has reported for ``10 * lease_s``.
 """

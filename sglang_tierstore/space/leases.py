@@ -79,7 +79,7 @@ class _Stock:
     for a whole write (slots taken, written, committed), so housekeeping can tell an idle
     writer from a busy one."""
 
-    __slots__ = ("lease", "thread", "lock", "ranges", "epoch", "renewed", "answered", "batches")
+    __slots__ = ("lease", "thread", "lock", "ranges", "epoch", "renewed", "answered", "batches", "leased")
 
     def __init__(self, lease: str, epoch: int) -> None:
         self.lease = lease
@@ -90,6 +90,7 @@ class _Stock:
         self.renewed: dict[int, float] = {}  # shard -> when its lease was last renewed
         self.answered: dict[int, int] = {}  # shard -> Leases.mark() when a reply last set its stock there
         self.batches: dict[tuple[int, int], deque[int]] = {}  # (shard, page bytes) -> sizes of the last batches
+        self.leased = False  # the lease may exist in the index: a call was sent since it was last given back
 
 
 class Leases:
@@ -222,6 +223,7 @@ class Leases:
         with mine.lock:
             sent = self.clock()
             shards = list(want)
+            mine.leased = True
             outs = self.index.calls_each([("lease", self._keys[s], [*self._head(mine.lease), page_bytes, want[s]])
                                           for s in shards])
             return dict(zip(shards, self._answered(mine, shards, sent, outs, all_or_raise=False)))
@@ -238,6 +240,7 @@ class Leases:
         mine = self._mine()
         with mine.lock:
             sent = self.clock()
+            mine.leased = True
             outs = self.index.calls_each([("commit", self._keys[s], self._commit_args(mine.lease, page_bytes, c, gu, want))
                                           for s, c, gu, want in calls])
             return self._answered(mine, [s for s, _, _, _ in calls], sent, outs)
@@ -267,7 +270,7 @@ class Leases:
         done = 0
         for st in stocks:
             gone = not st.thread.is_alive()
-            if not (gone or draining or (idle and st.ranges)):
+            if not (gone or draining or (idle and st.leased)):
                 continue
             if not st.lock.acquire(blocking=False):
                 continue  # writing now: its commit settles its slots
@@ -289,9 +292,13 @@ class Leases:
         return done
 
     def _release(self, st: _Stock) -> None:
-        """Give a lease back whole, in every shard (caller holds its lock)."""
+        """Give a lease back whole, in every shard (caller holds its lock). The stock is
+        emptied first: should a shard's call fail, or its reply be lost after it ran, the
+        writer must not take slots the index may have given to another; the lease stays
+        marked ``leased``, to be given back at the next tidy (or, failing that, to expire)."""
+        st.ranges, st.renewed = {}, {}
         self.index.calls([("release", keys, [self.geometry.store_id, st.lease]) for keys in self._keys])
-        st.ranges = {}
+        st.leased = False
 
     def release_all(self) -> int:
         """Give every idle lease of this process back (on close): its unused slots are
@@ -312,10 +319,10 @@ class Leases:
         return kept
 
     def holding(self) -> bool:
-        """Whether some thread of this process holds a lease (slots, or a lease that the
-        last call left in the index), which housekeeping must renew within ``lease_s``."""
+        """Whether some thread's lease may exist in the index (it leased or committed since
+        it last gave the lease back), which housekeeping must renew within ``lease_s``."""
         with self._lock:
-            return any(st.ranges for st in self._stocks.values())
+            return any(st.leased for st in self._stocks.values())
 
     # -- renewal (housekeeping's sweep) ------------------------------------------------
 
