@@ -53,6 +53,14 @@ def n(v: float) -> str:
     return f"{v:,.0f}"
 
 
+def io_hicache_write_swing() -> str:
+    """How far HiCacheFile's write rate moved between rounds: the largest ratio of its
+    fastest round to its slowest at one page size (it writes through the page cache)."""
+    swings = [max(r["hicache"]["write_gbps"]["samples"]) / min(r["hicache"]["write_gbps"]["samples"])
+              for r in load("bench_io/bench_io.json")["sizes"].values()]
+    return f"{max(swings):.0f}x"
+
+
 def io_range(fig: str) -> Callable[[], str]:
     """The medians of one bench_io ratio over the page sizes, as ``lo-hi x``."""
     def value() -> str:
@@ -234,7 +242,8 @@ def paired_budget(server: str, cores: int = 2, target: float = 1.5) -> Callable[
         need = p["client_cpu_ms_p50"]["cluster"] + p["servers_cpu_ms_per_call"]["cluster masters"] + \
             p["servers_cpu_ms_per_call"]["cluster replicas"]
         supply = cores * target * p["one_node_p50"]
-        return f"{need:.1f} ms of CPU, {'more' if need > supply else 'less'} than the {supply:.1f} ms"
+        digits = 1 if f"{need:.1f}" != f"{supply:.1f}" else 2  # two figures that round alike would read as equal
+        return f"{need:.{digits}f} ms of CPU, {'more' if need > supply else 'less'} than the {supply:.{digits}f} ms"
     return value
 
 
@@ -537,11 +546,11 @@ def caller_gil_table() -> str:
     return "\n" + "\n".join(rows) + "\n"
 
 
-def caller_idle(key: str) -> Callable[[], str]:
-    """What this engine's idle threads cost per second in bench_caller: the GIL taken
+def caller_idle(key: str, engine: str = "new") -> Callable[[], str]:
+    """What an engine's idle threads cost per second in bench_caller: the GIL taken
     (``gil``) or one thread's CPU (its name)."""
     def value() -> str:
-        g = load("bench_caller/bench_caller.json")["summary"]["new"]["gil"]
+        g = load("bench_caller/bench_caller.json")["summary"][engine]["gil"]
         return us(g["idle_us_per_s"] if key == "gil" else g["idle_cpu_us_per_s"][key])
     return value
 
@@ -577,6 +586,7 @@ FIGURES: dict[str, Callable[[], str]] = {
     "io.write.range": io_range("write / O_DIRECT write"),
     "io.hicache_write.range": io_range("tierstore / HiCacheFile: write"),
     "io.hicache_cold_read.range": io_range("tierstore / HiCacheFile: cold read"),
+    "io.hicache_write.swing": io_hicache_write_swing,
     "io.table": io_table,
     "io.targets": io_targets,
     "io.probe": probe("probe_all_hit"),
@@ -650,6 +660,7 @@ FIGURES: dict[str, Callable[[], str]] = {
     "planner.within": validation_count("within"),
     "planner.explained": validation_count("explained"),
     "interference.itl.file": pair("interference", "l2+tierstore / l2+file: decode inter-token latency"),
+    "interference.itl.file_l2": pair("interference", "l2+file / l2: decode inter-token latency"),
     "interference.itl.l2": pair("interference", "l2+tierstore / l2: decode inter-token latency"),
     "interference.first.file": pair("interference", "l2+tierstore / l2+file: first-turn TTFT"),
     "interference.first.l2": pair("interference", "l2+tierstore / l2: first-turn TTFT"),
@@ -661,6 +672,8 @@ FIGURES: dict[str, Callable[[], str]] = {
     "caller.gil.idle": caller_idle("gil"),
     "caller.cpu.idle.housekeeping": caller_idle("tierstore-housekeeping"),
     "caller.cpu.idle.io": caller_idle("tierstore-io"),
+    "caller.gil.idle.base": caller_idle("gil", "base"),
+    "caller.cpu.idle.housekeeping.base": caller_idle("tierstore-housekeeping", "base"),
     "caller.gil.set.per_page": caller_gil("set", "per_page_us"),
     "caller.gil.get.per_page": caller_gil("get", "per_page_us"),
     "caller.gil.exists.per_page": caller_gil("exists", "per_page_us"),
