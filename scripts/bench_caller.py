@@ -105,24 +105,30 @@ def fit(sizes: list[int], values: list[float]) -> tuple[float, float]:
 def gil_phase(probe_calls: Callable[[str, int], Callable[[], list[bool]]], sizes: list[int], fit_sizes: list[int],
               reps: int) -> dict[str, Any]:
     """The GIL other threads held while each call ran beside a :class:`GilProbe` (less an empty
-    call's: the marks' own), fitted per call and per page like the CPU; then, over ``IDLE_S``
-    with nothing asked, the GIL held and each tierstore thread's CPU per second."""
+    call's: the marks' own), fitted per call and per page like the CPU, and each call's wall
+    time there (what a thread waiting for it, as a request waits for its prefetch probe,
+    waits with SGLang's scheduler busy in Python); then, over ``IDLE_S`` with nothing asked,
+    the GIL held and each tierstore thread's CPU per second."""
     probe = GilProbe()
     try:
-        def window(call: Callable[[], list[bool]]) -> float:
+        def window(call: Callable[[], list[bool]]) -> tuple[float, float]:
+            """(GIL held by others, wall) over one call, in us."""
             a = probe.mark()
             ok = call()
             b = probe.mark()
             if not all(ok):
                 raise RuntimeError(f"a call beside the GIL probe failed: {ok.count(False)} of {len(ok)}")
-            return probe.held_us(a, b)
+            return probe.held_us(a, b), (b[0] - a[0]) / 1e3
 
-        empty = statistics.median(window(lambda: [True]) for _ in range(20))
+        empty = statistics.median(window(lambda: [True])[0] for _ in range(20))
         held: dict[str, dict[int, list[float]]] = {op: {n: [] for n in sizes} for op in OPS}
+        walls: dict[str, dict[int, list[float]]] = {op: {n: [] for n in sizes} for op in OPS}
         for rep in range(reps):
             for n in sizes[rep % len(sizes):] + sizes[: rep % len(sizes)]:
                 for op in OPS:
-                    held[op][n].append(window(probe_calls(op, n)) - empty)
+                    h, w = window(probe_calls(op, n))
+                    held[op][n].append(h - empty)
+                    walls[op][n].append(w)
         medians = {op: {str(n): statistics.median(held[op][n]) for n in sizes} for op in OPS}
         fits = {op: dict(zip(("per_call_us", "per_page_us"), fit(fit_sizes, [medians[op][str(n)] for n in fit_sizes])))
                 for op in OPS}
@@ -138,6 +144,7 @@ def gil_phase(probe_calls: Callable[[str, int], Callable[[], list[bool]]], sizes
             with contextlib.suppress(OSError):  # a thread that ended meanwhile (a page file made) has no clock
                 cpu[name] = cpu.get(name, 0.0) + (time.clock_gettime_ns(c) - t0) / 1e3 / IDLE_S
         return {"empty_us": empty, "medians": medians, "fits": fits,
+                "walls": {op: {str(n): statistics.median(walls[op][n]) for n in sizes} for op in OPS},
                 "idle_us_per_s": probe.held_us(a, b) / IDLE_S, "idle_cpu_us_per_s": cpu}
     finally:
         probe.close()
@@ -251,7 +258,8 @@ def summarize(runs: dict[str, list[dict[str, Any]]], sizes: list[int]) -> dict[s
         } for c in CLOCKS} for op in OPS}
         out[name]["gil"] = {
             **{op: {**{f"{n}_pages": median_interval([r["gil"]["medians"][op][str(n)] for r in rs]) for n in sizes},
-                    **{term: median_interval([r["gil"]["fits"][op][term] for r in rs]) for term in ("per_call_us", "per_page_us")}}
+                    **{term: median_interval([r["gil"]["fits"][op][term] for r in rs]) for term in ("per_call_us", "per_page_us")},
+                    "wall_us": {f"{n}_pages": median_interval([r["gil"]["walls"][op][str(n)] for r in rs]) for n in sizes}}
                for op in OPS},
             "idle_us_per_s": median_interval([r["gil"]["idle_us_per_s"] for r in rs]),
             "idle_cpu_us_per_s": {t: median_interval([r["gil"]["idle_cpu_us_per_s"].get(t, 0.0) for r in rs])
@@ -262,6 +270,10 @@ def summarize(runs: dict[str, list[dict[str, Any]]], sizes: list[int]) -> dict[s
             **{f"{k}_pages": paired_ratio([r["medians"][op][str(k)][c] for r in n], [r["medians"][op][str(k)][c] for r in b])
                for k in sizes},
         } for c in CLOCKS} for op in OPS}
+        for op in OPS:
+            out["new/base"][op]["busy_wall_us"] = {
+                f"{k}_pages": paired_ratio([r["gil"]["walls"][op][str(k)] for r in n], [r["gil"]["walls"][op][str(k)] for r in b])
+                for k in sizes}
     return out
 
 
@@ -295,6 +307,9 @@ def report(doc: dict[str, Any], sizes: list[int]) -> None:
             print(f"{name:<5} {op:<6} {'gil_us':<11} {cells}   per call {g[op]['per_call_us']['median']:6.0f} "
                   f"({g[op]['per_call_us']['lo']:.0f}-{g[op]['per_call_us']['hi']:.0f})   per page "
                   f"{g[op]['per_page_us']['median']:5.1f} ({g[op]['per_page_us']['lo']:.1f}-{g[op]['per_page_us']['hi']:.1f})")
+        for op in OPS:
+            cells = "  ".join(f"{n:>3}p {g[op]['wall_us'][f'{n}_pages']['median']:7.0f}" for n in sizes)
+            print(f"{name:<5} {op:<6} {'busy_wall_us':<12}{cells}   (the call's wall time beside the spinning thread)")
         cpu = ", ".join(f"{t} {v['median']:.0f}" for t, v in g["idle_cpu_us_per_s"].items())
         print(f"{name:<5} idle   GIL held {g['idle_us_per_s']['median']:.0f} us/s "
               f"({g['idle_us_per_s']['lo']:.0f}-{g['idle_us_per_s']['hi']:.0f}); threads' CPU, us/s: {cpu}")
@@ -303,6 +318,9 @@ def report(doc: dict[str, Any], sizes: list[int]) -> None:
         for op in OPS:
             for c in CLOCKS:
                 print(f"{op:<6} {c:<11} " + "   ".join(f"{n}p {say(s['new/base'][op][c][f'{n}_pages'])}" for n in sizes))
+        for op in OPS:
+            print(f"{op:<6} busy_wall_us " + "   ".join(f"{n}p {say(s['new/base'][op]['busy_wall_us'][f'{n}_pages'])}"
+                                                     for n in sizes))
 
 
 def main() -> int:

@@ -74,13 +74,13 @@ def test_every_function_call_run_twice_gives_no_wrong_page(tmp_path: Path, priva
         real = st.index._send
         replayed = [0]
 
-        def twice(items: Sequence[Any]) -> list[Any]:
-            first = real(items)
+        def twice(items: Sequence[Any], hold: bool = False) -> list[Any]:
+            first = real(items, hold)
             again = [k for k, (_, cmds) in enumerate(items) if cmds[0][0] in ("FCALL", "EVALSHA")]
             if not again:
                 return first
             replayed[0] += len(again)
-            second = real([items[k] for k in again])  # the first reply was lost: the caller sees the second
+            second = real([items[k] for k in again], hold)  # the first reply was lost: the caller sees the second
             for k, o in zip(again, second):
                 first[k] = o
             return first

@@ -31,6 +31,7 @@ its keys with only the commands it sends (:func:`acl_rule`), and be reached over
 from __future__ import annotations
 
 import hashlib
+import socket
 import time as mod_time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
@@ -51,6 +52,11 @@ from sglang_tierstore.index.topology import (
     spread_suffixes,
 )
 from sglang_tierstore.perms import TlsFiles
+
+try:
+    from sglang_tierstore._pageio import exchange as _held_exchange
+except ImportError:  # not built: every round trip lets the GIL go while it waits (see _exchange)
+    _held_exchange = None
 from sglang_tierstore.schema import STALE, key_globs
 
 __all__ = ["ACL_COMMANDS", "ClusterSeeds", "Library", "RedisIndex", "SentinelGroup", "Target", "acl_rule",
@@ -171,6 +177,9 @@ _SETTLE_S = 0.02  # first wait before resending after TRYAGAIN/CLUSTERDOWN (doub
 # migrated with the call's keys split (TRYAGAIN), a slot no master serves (CLUSTERDOWN).
 _CLUSTER_BUSY = (redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError)
 _NONE = object()
+# How long a probe's round trip waits for its reply holding the GIL (see _exchange): an idle
+# index answers an HMGET of a batch in tens of us; past this bound the wait lets the GIL go.
+HOLD_NS = 200_000
 
 
 def _pack(commands: Sequence[Command]) -> list[bytes]:
@@ -226,10 +235,11 @@ class RedisIndex:
         if self._closed:
             raise IndexUnavailable("the index connection is closed")
 
-    def _send(self, items: Sequence[Item]) -> list[Any]:
+    def _send(self, items: Sequence[Item], hold: bool = False) -> list[Any]:
         """Each item's reply, or the exception it ended in (a redis ``ResponseError`` as
         the server gave it; :class:`IndexUnavailable` for a node that failed or whose
-        breaker is open), in one round trip per try; redirects followed."""
+        breaker is open), in one round trip per try; redirects followed. ``hold``: a
+        short call someone waits for (see :func:`_exchange`)."""
         self._check_open()
         topo = self._topology
         out: list[Any] = [None] * len(items)
@@ -248,7 +258,8 @@ class RedisIndex:
                         unmapped.append(k)
                         continue
                     groups.setdefault(id(node), (node, []))[1].append(k)
-                replies = _exchange([(node, [self._commands(items[k], k in ask) for k in ks]) for node, ks in groups.values()])
+                replies = _exchange([(node, [self._commands(items[k], k in ask) for k in ks]) for node, ks in groups.values()],
+                                    hold)
                 retry, settle = list(unmapped), bool(unmapped)
                 ask = {}
                 for (node, ks), got in zip(groups.values(), replies):
@@ -316,8 +327,8 @@ class RedisIndex:
             return IndexUnavailable(f"{self.name}: still redirected after {_REDIRECTS} tries ({msg})")
         return TierStoreError(f"redis error: {msg}")
 
-    def _each(self, items: Sequence[Item]) -> list[Any]:
-        return [self._translate(o, it[0]) for o, it in zip(self._send(items), items)]
+    def _each(self, items: Sequence[Item], hold: bool = False) -> list[Any]:
+        return [self._translate(o, it[0]) for o, it in zip(self._send(items, hold), items)]
 
     def _all(self, items: Sequence[Item]) -> list[Any]:
         """Replies of every item; the first error raised once all are in."""
@@ -418,10 +429,12 @@ class RedisIndex:
         return out
 
     def hmget_each(self, parts: Sequence[tuple[str, Sequence[bytes]]]) -> list[Any]:
-        """As :meth:`hmget`, each hash's values or the TierStoreError reading it ended in."""
+        """As :meth:`hmget`, each hash's values or the TierStoreError reading it ended in.
+        A probe or a read waits for it: its reply is waited for holding the GIL (see
+        :func:`_exchange`)."""
         asked = [k for k, (_, fields) in enumerate(parts) if fields]
         out: list[Any] = [[] for _ in parts]
-        got = self._each([(parts[k][0], [("HMGET", parts[k][0], *parts[k][1])]) for k in asked]) if asked else []
+        got = self._each([(parts[k][0], [("HMGET", parts[k][0], *parts[k][1])]) for k in asked], hold=True) if asked else []
         for k, o in zip(asked, got):
             out[k] = o
         return out
@@ -518,11 +531,24 @@ def _pairs(flat: Any) -> dict[bytes, bytes]:
     return dict(zip(flat[::2], flat[1::2]))
 
 
-def _exchange(groups: Sequence[tuple[Node, Sequence[Sequence[Command]]]]) -> list[list[Any]]:
+def _held(conn: Any) -> bool:
+    """Whether a connection's round trip can be made by ``_pageio.exchange``: a plain socket
+    (not TLS) whose replies hiredis parses (fed what it read)."""
+    return (_held_exchange is not None and type(getattr(conn, "_sock", None)) is socket.socket
+            and isinstance(getattr(getattr(conn, "_parser", None), "_reader", None), hiredis.Reader))
+
+
+def _exchange(groups: Sequence[tuple[Node, Sequence[Sequence[Command]]]], hold: bool = False) -> list[list[Any]]:
     """One round trip to several nodes: every node's pipelined request is written before
     any reply is read. Per node, each item's reply (its last command's, or its first
     error); a node whose breaker is open, or that fails, gives every item of its group
-    :class:`IndexUnavailable` (and opens its breaker). Nothing is retried."""
+    :class:`IndexUnavailable` (and opens its breaker). Nothing is retried.
+
+    ``hold``, to one node: the request is sent, and its reply read where it comes within
+    ``HOLD_NS``, without letting the GIL go. Each send and wait that lets it go beside a
+    thread spinning in Python (SGLang's scheduler) waits a switch interval (5 ms) to take it
+    back: for a prefetch probe, which a request waits for, that is most of its time. The
+    scheduler loses at most ``HOLD_NS`` instead."""
     out: list[list[Any]] = []
     sent: list[tuple[int, Node, Any, Sequence[Sequence[Command]]]] = []
     requests = [_pack([c for cmds in items for c in cmds]) for _, items in groups]  # DataError here
@@ -535,7 +561,14 @@ def _exchange(groups: Sequence[tuple[Node, Sequence[Sequence[Command]]]]) -> lis
             conn = None
             try:
                 conn = pool.get_connection()
-                conn.send_packed_command(request, check_health=False)
+                if hold and len(groups) == 1 and _held(conn):
+                    n, early = _held_exchange(conn._sock.fileno(), request[0], HOLD_NS)
+                    if n < len(request[0]):
+                        conn._sock.sendall(memoryview(request[0])[n:])
+                    elif early:
+                        conn._parser._reader.feed(early)
+                else:
+                    conn.send_packed_command(request, check_health=False)
             except _LINK_ERRORS as e:
                 out.append([_failed(node, pool, conn, e)] * len(items))
                 continue
