@@ -9,7 +9,7 @@
  *
  * exchange() is the other way round: a short index round trip (a probe's HMGET) sent and, where
  * the reply comes within a bound, read without letting the GIL go, as a stat() of SGLang's
- * file backend all but always is. Its send and its wait for the reply would each hand the
+ * file backend all but always is back before anyone takes it. Its send and its wait for the reply would each hand the
  * GIL to a thread spinning in Python and wait for it back (a switch interval, 5 ms), which
  * a request waiting for its prefetch probe pays in full.
  *
@@ -340,13 +340,15 @@ static int bind_xxhash(void) {
     return 0;
 }
 
+#if defined(MSG_DONTWAIT) && defined(MSG_NOSIGNAL)
 PyDoc_STRVAR(exchange_doc,
-"exchange(fd, request, spin_ns) -> (sent, reply)\n\n"
-"Send request on the connected socket fd, then wait up to spin_ns for its reply and read what\n"
-"has come, all without releasing the GIL. sent: the bytes sent (fewer than the request's where\n"
+"exchange(fd, request, wait_ns) -> (sent, reply)\n\n"
+"Send request on the connected socket fd, then wait up to wait_ns for its reply and read what\n"
+"has come by then, all without releasing the GIL (the thread sleeps in ppoll meanwhile, its\n"
+"core free for the server that answers). sent: the bytes sent (fewer than the request's where\n"
 "the socket buffer filled: the caller sends the rest, and then reads the whole reply); reply:\n"
-"the bytes read (empty if none came within spin_ns, or the peer closed). OSError on a failed\n"
-"send, poll or recv.");
+"the bytes read (empty if none came in time, or the peer closed). OSError on a failed send,\n"
+"poll or recv.");
 
 static long long now_ns(void) {
     struct timespec t;
@@ -355,14 +357,14 @@ static long long now_ns(void) {
 }
 
 static PyObject *exchange(PyObject *self, PyObject *args) {
-    int fd, ready;
+    int fd, ready = 0;
     Py_buffer req;
-    long long spin_ns, end;
+    long long wait_ns, end, left;
     Py_ssize_t sent = 0, got = 0, cap = 4096;
     char *buf;
     PyObject *out;
     (void)self;
-    if (!PyArg_ParseTuple(args, "iy*L", &fd, &req, &spin_ns))
+    if (!PyArg_ParseTuple(args, "iy*L", &fd, &req, &wait_ns))
         return NULL;
     while (sent < req.len) {
         ssize_t n = send(fd, (const char *)req.buf + sent, (size_t)(req.len - sent), MSG_DONTWAIT | MSG_NOSIGNAL);
@@ -381,17 +383,20 @@ static PyObject *exchange(PyObject *self, PyObject *args) {
     }
     PyBuffer_Release(&req);
     struct pollfd p = {fd, POLLIN, 0};
-    end = now_ns() + spin_ns;
-    do {
-        ready = poll(&p, 1, 0);
+    end = now_ns() + wait_ns;
+    while ((left = end - now_ns()) > 0) {
+        struct timespec t = {(time_t)(left / 1000000000LL), (long)(left % 1000000000LL)};
+        ready = ppoll(&p, 1, &t, NULL);
+        if (ready > 0)
+            break;
         if (ready < 0 && errno != EINTR)
             return PyErr_SetFromErrno(PyExc_OSError);
-    } while (ready <= 0 && now_ns() < end);
+    }
     if (ready <= 0)
         return Py_BuildValue("(ny#)", sent, "", (Py_ssize_t)0);
     if (!(buf = PyMem_Malloc((size_t)cap)))
         return PyErr_NoMemory();
-    for (;;) {
+    do { /* what has come, read until the deadline at most: the rest is the caller's to read */
         ssize_t n;
         if (got == cap) {
             char *more = PyMem_Realloc(buf, (size_t)cap * 2);
@@ -411,15 +416,18 @@ static PyObject *exchange(PyObject *self, PyObject *args) {
             PyMem_Free(buf);
             return PyErr_SetFromErrno(PyExc_OSError);
         }
-    }
+    } while (now_ns() < end);
     out = Py_BuildValue("(ny#)", sent, buf, got);
     PyMem_Free(buf);
     return out;
 }
+#endif
 
 static PyMethodDef methods[] = {
     {"transfer", transfer, METH_VARARGS, transfer_doc},
+#if defined(MSG_DONTWAIT) && defined(MSG_NOSIGNAL)
     {"exchange", exchange, METH_VARARGS, exchange_doc},
+#endif
     {NULL, NULL, 0, NULL},
 };
 

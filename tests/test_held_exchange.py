@@ -4,9 +4,13 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+from conftest import RedisProc
 
 import sglang_tierstore.index as index_mod
 from sglang_tierstore.errors import IndexUnavailable
@@ -29,6 +33,17 @@ def test_a_reply_already_there_is_read_with_the_request_sent(pair: Any) -> None:
     b.sendall(b"+OK\r\n:7\r\n")  # (the peer cannot answer while the GIL is held: its reply is already queued)
     assert exchange(a.fileno(), b"*1\r\n$4\r\nPING\r\n", 10**9) == (14, b"+OK\r\n:7\r\n")
     assert b.recv(100) == b"*1\r\n$4\r\nPING\r\n"
+
+
+def test_a_reply_that_comes_while_it_waits_is_read(pair: Any) -> None:
+    """The peer, another process (no GIL of ours), answers after reading the request."""
+    a, b = pair
+    peer = subprocess.Popen([sys.executable, "-c", f"import socket, time; s = socket.socket(fileno={b.fileno()}); "
+                             "assert s.recv(100) == b'ping'; time.sleep(0.05); s.sendall(b'pong')"], pass_fds=[b.fileno()])
+    try:
+        assert exchange(a.fileno(), b"ping", 20 * 10**9) == (4, b"pong")
+    finally:
+        assert peer.wait(20) == 0
 
 
 def test_no_reply_within_the_bound_reads_nothing(pair: Any) -> None:
@@ -80,13 +95,17 @@ def counting(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     return calls
 
 
-def test_an_hmget_reads_through_the_held_exchange_what_the_server_holds(redis_proc: Any,
+def test_an_hmget_reads_through_the_held_exchange_what_the_server_holds(tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Small requests (the reply fed to hiredis as it came) and one too large for the socket
-    buffer (the rest sent after it, the reply read by redis-py) read what a plain HGET does;
-    other round trips (an HSET) do not hold the GIL."""
+    """A small request (the reply fed to hiredis as it came) and one that fills a small socket
+    buffer (the rest sent after it, the reply read by redis-py) read what the server holds;
+    a request over ``HOLD_MAX_BYTES`` and other round trips (an HSET) do not hold the GIL.
+    Over a Unix socket, as the embedded index is: what such a socket buffers counts against
+    the sender's SO_SNDBUF, which this test shrinks."""
     calls = counting(monkeypatch)
-    idx = RedisIndex(redis_proc.url, 2.0, 0.1)
+    sock = tmp_path / "redis.sock"
+    server = RedisProc(tmp_path / "redis", args=("--unixsocket", str(sock)))
+    idx = RedisIndex(f"unix://{sock}", 2.0, 0.1)
     try:
         key = "held:{x}:entries"
         values = {f"f{i:06d}".encode(): f"v{i}".encode() * (1 + i % 7) for i in range(60_000)}
@@ -100,11 +119,15 @@ def test_an_hmget_reads_through_the_held_exchange_what_the_server_holds(redis_pr
         assert index_mod._held(conn)
         conn._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # the next call's connection
         pool.release(conn)
-        many = fields + [b"nothing"] * 20_000  # a request of about 1.4 MB
+        some = fields[:3000] + [b"nothing"] * 500  # a request of about 60 KB
+        assert idx.hmget([(key, some)]) == [[values.get(f) for f in some]]
+        assert len(calls) == 2 and calls[0][0] == calls[0][1] and calls[1][1] < calls[1][0] <= index_mod.HOLD_MAX_BYTES
+        many = fields + [b"nothing"] * 20_000  # about 1.4 MB
         assert idx.hmget([(key, many)]) == [[values.get(f) for f in many]]
-        assert len(calls) == 2 and calls[0][0] == calls[0][1] and calls[1][1] < calls[1][0]
+        assert len(calls) == 2
     finally:
         idx.close()
+        server.stop()
 
 
 def test_a_held_probe_to_a_server_gone_is_index_unavailable_and_recovers(private_redis: Any,

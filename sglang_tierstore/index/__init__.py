@@ -54,9 +54,10 @@ from sglang_tierstore.index.topology import (
 from sglang_tierstore.perms import TlsFiles
 
 try:
-    from sglang_tierstore._pageio import exchange as _held_exchange
+    from sglang_tierstore import _pageio
 except ImportError:  # not built: every round trip lets the GIL go while it waits (see _exchange)
-    _held_exchange = None
+    _pageio = None
+_held_exchange: Optional[Callable[[int, bytes, int], tuple[int, bytes]]] = getattr(_pageio, "exchange", None)
 from sglang_tierstore.schema import STALE, key_globs
 
 __all__ = ["ACL_COMMANDS", "ClusterSeeds", "Library", "RedisIndex", "SentinelGroup", "Target", "acl_rule",
@@ -177,9 +178,11 @@ _SETTLE_S = 0.02  # first wait before resending after TRYAGAIN/CLUSTERDOWN (doub
 # migrated with the call's keys split (TRYAGAIN), a slot no master serves (CLUSTERDOWN).
 _CLUSTER_BUSY = (redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError)
 _NONE = object()
-# How long a probe's round trip waits for its reply holding the GIL (see _exchange): an idle
+# How long a probe's round trip waits for its reply holding the GIL (see _exchange): a local
 # index answers an HMGET of a batch in tens of us; past this bound the wait lets the GIL go.
 HOLD_NS = 200_000
+HOLD_MAX_BYTES = 65536  # a larger request (a batch of thousands of keys) goes the usual way
+_LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
 def _pack(commands: Sequence[Command]) -> list[bytes]:
@@ -430,8 +433,8 @@ class RedisIndex:
 
     def hmget_each(self, parts: Sequence[tuple[str, Sequence[bytes]]]) -> list[Any]:
         """As :meth:`hmget`, each hash's values or the TierStoreError reading it ended in.
-        A probe or a read waits for it: its reply is waited for holding the GIL (see
-        :func:`_exchange`)."""
+        A probe or a read waits for it: sent to one local node, a short request's reply is
+        waited for holding the GIL (see :func:`_exchange`)."""
         asked = [k for k, (_, fields) in enumerate(parts) if fields]
         out: list[Any] = [[] for _ in parts]
         got = self._each([(parts[k][0], [("HMGET", parts[k][0], *parts[k][1])]) for k in asked], hold=True) if asked else []
@@ -533,8 +536,12 @@ def _pairs(flat: Any) -> dict[bytes, bytes]:
 
 def _held(conn: Any) -> bool:
     """Whether a connection's round trip can be made by ``_pageio.exchange``: a plain socket
-    (not TLS) whose replies hiredis parses (fed what it read)."""
-    return (_held_exchange is not None and type(getattr(conn, "_sock", None)) is socket.socket
+    (not TLS) to this machine (a Unix socket, or loopback: a remote index rarely answers
+    within ``HOLD_NS``, and the scheduler would lose the wait for nothing) whose replies
+    hiredis parses (fed what it read)."""
+    sock = getattr(conn, "_sock", None)
+    return (_held_exchange is not None and type(sock) is socket.socket
+            and (sock.family == socket.AF_UNIX or getattr(conn, "host", None) in _LOOPBACK)
             and isinstance(getattr(getattr(conn, "_parser", None), "_reader", None), hiredis.Reader))
 
 
@@ -544,11 +551,13 @@ def _exchange(groups: Sequence[tuple[Node, Sequence[Sequence[Command]]]], hold: 
     error); a node whose breaker is open, or that fails, gives every item of its group
     :class:`IndexUnavailable` (and opens its breaker). Nothing is retried.
 
-    ``hold``, to one node: the request is sent, and its reply read where it comes within
+    ``hold``, to one node over a connection :func:`_held` accepts, with a request of at most
+    ``HOLD_MAX_BYTES``: the request is sent, and its reply read as far as it comes within
     ``HOLD_NS``, without letting the GIL go. Each send and wait that lets it go beside a
     thread spinning in Python (SGLang's scheduler) waits a switch interval (5 ms) to take it
     back: for a prefetch probe, which a request waits for, that is most of its time. The
-    scheduler loses at most ``HOLD_NS`` instead."""
+    scheduler loses about ``HOLD_NS`` at most instead (and a reply still not in then is
+    read as any other, letting the GIL go)."""
     out: list[list[Any]] = []
     sent: list[tuple[int, Node, Any, Sequence[Sequence[Command]]]] = []
     requests = [_pack([c for cmds in items for c in cmds]) for _, items in groups]  # DataError here
@@ -561,7 +570,8 @@ def _exchange(groups: Sequence[tuple[Node, Sequence[Sequence[Command]]]], hold: 
             conn = None
             try:
                 conn = pool.get_connection()
-                if hold and len(groups) == 1 and _held(conn):
+                if hold and len(groups) == 1 and len(request[0]) <= HOLD_MAX_BYTES and _held(conn):
+                    assert _held_exchange is not None
                     n, early = _held_exchange(conn._sock.fileno(), request[0], HOLD_NS)
                     if n < len(request[0]):
                         conn._sock.sendall(memoryview(request[0])[n:])
