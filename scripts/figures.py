@@ -546,6 +546,24 @@ def caller_gil_table() -> str:
     return "\n" + "\n".join(rows) + "\n"
 
 
+def caller_busy_table() -> str:
+    """performance.md's table of each call's wall time beside bench_caller's spinning thread
+    (what a thread waiting for the call waits), at the smallest and largest batch, baseline
+    and this engine, and the ratio paired run by run."""
+    from compare import say
+
+    d = load("bench_caller/bench_caller.json")
+    s, base, new = d["summary"], d["commits"]["base"], d["commits"]["new"]
+    lo, hi = min(d["sizes"]), max(d["sizes"])
+    rows = [f"| call | wall time, {lo} page: {base} → {new} | {new} / {base} | {hi} pages: {base} → {new} | "
+            f"{new} / {base} |", "|---|---|---|---|---|"]
+    for op, call in CALLS.items():
+        c, p, r = s["base"]["gil"][op]["wall_us"], s["new"]["gil"][op]["wall_us"], s["new/base"][op]["busy_wall_us"]
+        rows.append(f"| `{call}` | {us(c[f'{lo}_pages'])} → {us(p[f'{lo}_pages'])} | {say(r[f'{lo}_pages'])} | "
+                    f"{us(c[f'{hi}_pages'])} → {us(p[f'{hi}_pages'])} | {say(r[f'{hi}_pages'])} |")
+    return "\n" + "\n".join(rows) + "\n"
+
+
 def caller_idle(key: str, engine: str = "new") -> Callable[[], str]:
     """What an engine's idle threads cost per second in bench_caller: the GIL taken
     (``gil``) or one thread's CPU (its name)."""
@@ -669,6 +687,7 @@ FIGURES: dict[str, Callable[[], str]] = {
     "caller.sizes": caller_sizes("sizes"),
     "caller.fit_sizes": caller_sizes("fit_sizes"),
     "caller.gil_table": caller_gil_table,
+    "caller.busy_table": caller_busy_table,
     "caller.gil.idle": caller_idle("gil"),
     "caller.cpu.idle.housekeeping": caller_idle("tierstore-housekeeping"),
     "caller.cpu.idle.io": caller_idle("tierstore-io"),
