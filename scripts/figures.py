@@ -564,6 +564,15 @@ def caller_busy_table() -> str:
     return "\n" + "\n".join(rows) + "\n"
 
 
+def caller_ratio(op: str, clock: str, pages: int) -> Callable[[], str]:
+    """bench_caller: this engine's ``clock`` of ``op`` on ``pages`` pages over the baseline's, paired run by run."""
+    def figure() -> str:
+        from compare import say
+
+        return str(say(load("bench_caller/bench_caller.json")["summary"]["new/base"][op][clock][f"{pages}_pages"]))
+    return figure
+
+
 def caller_idle(key: str, engine: str = "new") -> Callable[[], str]:
     """What an engine's idle threads cost per second in bench_caller: the GIL taken
     (``gil``) or one thread's CPU (its name)."""
@@ -688,6 +697,8 @@ FIGURES: dict[str, Callable[[], str]] = {
     "caller.fit_sizes": caller_sizes("fit_sizes"),
     "caller.gil_table": caller_gil_table,
     "caller.busy_table": caller_busy_table,
+    "caller.set.per_page.base": caller_fit("set", "per_page_us", "base"),
+    "caller.exists.wall.1p": caller_ratio("exists", "wall_us", 1),
     "caller.gil.idle": caller_idle("gil"),
     "caller.cpu.idle.housekeeping": caller_idle("tierstore-housekeeping"),
     "caller.cpu.idle.io": caller_idle("tierstore-io"),
