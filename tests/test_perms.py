@@ -250,6 +250,7 @@ def test_an_embedded_redis_of_a_build_before_passwords_is_restarted_with_its_dat
         old.close()
         url = ensure_embedded_redis(str(root), PRIVATE, server).url
         new = redis.Redis.from_url(url)
+        kept = None
         for _ in range(200):  # it listens while it still loads its AOF (the backend rides that out as misses)
             with contextlib.suppress(redis.BusyLoadingError):
                 kept = new.get("kept")
