@@ -681,6 +681,7 @@ FIGURES: dict[str, Callable[[], str]] = {
     "loadtest.vs_l2.returning": pair("loadtest", "l2+tierstore / l2: returning-turn TTFT"),
     "loadtest.vs_file.returning": pair("loadtest", "l2+tierstore / l2+file: returning-turn TTFT"),
     "loadtest.vs_file.first": pair("loadtest", "l2+tierstore / l2+file: first-turn TTFT"),
+    "loadtest.vs_l2.first": pair("loadtest", "l2+tierstore / l2: first-turn TTFT"),
     "loadtest.vs_file.itl": pair("loadtest", "l2+tierstore / l2+file: decode inter-token latency"),
     "loadtest.planner": planner_table,
     "planner.validation": validation_table,

@@ -13,7 +13,8 @@ JSON and its printed report, each stamped by ``provenance.py`` (commit and dirty
 command, index server versions and flags, packages, machine). After a full run the figures
 the README and docs quote are regenerated from those files (``figures.py --write``).
 A job that fails, hangs past its bound or leaves an output unstamped or stamped with
-another commit fails the command (the other jobs still run, and their outputs stay).
+another commit fails the command (the other jobs still run, and their outputs stay). No job
+runs while the engine Python imports is another checkout's.
 
 A committed result is stale when an output is missing, unstamped or stamped dirty, or
 when a file it comes from (:func:`sources`) changed since the commit its stamp names
@@ -291,6 +292,19 @@ def run_job(job: Job, results: Path, quick: bool, commit: str, timeout_s: float)
     return time.monotonic() - t0
 
 
+def engine_elsewhere() -> Optional[Path]:
+    """The checkout the jobs' Python imports the engine from, when it is not this one (None
+    when it is). A result is stamped with this checkout's commit, so it must have measured
+    this checkout's engine; ``pip install -e`` of another clone (a CI run's) repoints the
+    import without a word."""
+    out = subprocess.run([sys.executable, "-c", "import sglang_tierstore; print(sglang_tierstore.__file__)"],
+                         capture_output=True, text=True, cwd=tempfile.gettempdir(), check=False)
+    if out.returncode != 0:
+        raise SystemExit(f"reproduce: the engine does not import: {out.stderr.strip().splitlines()[-1:]}")
+    root = Path(out.stdout.strip()).resolve().parent.parent
+    return None if root == ROOT else root
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", help="comma-separated jobs (default: all)")
@@ -319,6 +333,9 @@ def main() -> int:
         jobs = [j for j in jobs if why_stale(j)]
         print(f"reproduce: stale: {', '.join(j.name for j in jobs) or 'none'} "
               f"({sum(j.minutes for j in jobs):.0f} min as planned)", file=sys.stderr, flush=True)
+    if (elsewhere := engine_elsewhere()) is not None:
+        ap.error(f"the engine imported is {elsewhere}'s, not this checkout's ({ROOT}): "
+                 f"pip install --no-deps -e {ROOT} first")
     results = Path(a.results) if a.results else (Path(tempfile.mkdtemp(prefix="reproduce-")) if a.quick else RESULTS)
     commit = _git("rev-parse", "HEAD")
     failed = []

@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -161,6 +162,21 @@ def test_a_job_that_fails_or_leaves_an_unstamped_output_fails_reproduce(tmp_path
     failing = reproduce.Job("fails", str(tmp_path / "fails.py"), (), (), ("fails.txt",), "fails.txt", 1)
     with pytest.raises(SystemExit, match="exited 3"):
         reproduce.run_job(failing, tmp_path / "r", quick=False, commit="0" * 40, timeout_s=60)
+
+
+def test_reproduce_refuses_to_measure_another_checkouts_engine(tmp_path: Path) -> None:
+    """With the engine imported from elsewhere (an editable install left pointing at another
+    clone), no job runs: its results would carry this commit's stamp over that engine."""
+    other = tmp_path / "other"
+    shutil.copytree(ROOT / "sglang_tierstore", other / "sglang_tierstore",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    env = {**os.environ, "PYTHONPATH": str(other)}
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "reproduce.py"), "--only", "index_memory",
+                          "--no-figures", "--results", str(tmp_path / "r")],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
+    assert out.returncode == 2 and f"the engine imported is {other}'s" in out.stderr, out.stderr[-2000:]
+    assert not (tmp_path / "r").exists()
+    assert reproduce.engine_elsewhere() is None  # this checkout's own engine, as CI installs it
 
 
 FAKE_LOADTEST = """
