@@ -78,7 +78,7 @@ LOADTEST_ALSO = ("*.jsonl", "*.summary.json", "compare_*.png")
 JOBS: tuple[Job, ...] = (
     Job("bench_io", "bench_io.py", ("--repeat", "11", "--probe-repeat", "1000", "--out", "{dir}/bench_io.json"),
         ("--sizes", "256K", "--repeat", "3", "--probe-repeat", "20", "--out", "{dir}/bench_io.json"),
-        ("bench_io.json", "bench_io.txt"), "bench_io.txt", 20),
+        ("bench_io.json", "bench_io.txt"), "bench_io.txt", 10),
     Job("bench_mixed", "bench_io.py", ("--mixed", "--repeat", "15", "--out", "{dir}/bench_mixed.json"),
         ("--mixed", "--sizes", "256K", "--repeat", "3", "--reads", "3", "--out", "{dir}/bench_mixed.json"),
         ("bench_mixed.json", "bench_mixed.txt"), "bench_mixed.txt", 12),
@@ -96,7 +96,7 @@ JOBS: tuple[Job, ...] = (
     Job("bench_caller", "bench_caller.py", ("--base", "2c494a6", "--runs", "6", "--out", "{dir}/bench_caller.json"),
         ("--quick", "--out", "{dir}/bench_caller.json"), ("bench_caller.json", "bench_caller.txt"), "bench_caller.txt", 8),
     Job("bench_index", "bench_index.py", ("--out", "{dir}"), ("--quick", "--out", "{dir}"),
-        ("bench_index.json", "bench_index.txt"), "bench_index.txt", 25),
+        ("bench_index.json", "bench_index.txt"), "bench_index.txt", 5),
     Job("stress", "stress.py", ("--procs", "3", "--threads", "2", "--seconds", "600", "--seed", "1", "--json", "{dir}/stress.json"),
         ("--procs", "2", "--threads", "1", "--seconds", "6", "--seed", "1", "--kill-every", "2", "--redis-every", "3",
          "--json", "{dir}/stress.json"),
