@@ -327,13 +327,17 @@ def validation_table() -> str:
 
 def validation_count(key: str) -> Callable[[], str]:
     """How many of the validation's tier shares are within 10 points (``within``), or, of
-    those that are not, within 10 points on the run's own draw (``explained``)."""
+    those that are not, within 10 points on the run's own draw (``explained``); how many
+    measured shares lie outside the range 95% of the model's draws land in (``outside``),
+    and of those, how many the run's own draw comes within 10 points of (``outside.explained``)."""
     def value() -> str:
         cells = [v for r in load("planner/validation.json")["runs"].values() for v in r["tiers"].values()]
         if key == "within":
             return f"{sum(1 for v in cells if v['within'])} of {len(cells)}"
-        beyond = [v for v in cells if not v["within"]]
-        return f"{sum(1 for v in beyond if v['explained'])} of {len(beyond)}"
+        if key == "outside":
+            return f"{sum(1 for v in cells if not v['in_range'])} of {len(cells)}"
+        rest = [v for v in cells if not v["within" if key == "explained" else "in_range"]]
+        return f"{sum(1 for v in rest if v['explained'])} of {len(rest)}"
     return value
 
 
@@ -687,6 +691,8 @@ FIGURES: dict[str, Callable[[], str]] = {
     "planner.validation": validation_table,
     "planner.within": validation_count("within"),
     "planner.explained": validation_count("explained"),
+    "planner.outside": validation_count("outside"),
+    "planner.outside.explained": validation_count("outside.explained"),
     "interference.itl.file": pair("interference", "l2+tierstore / l2+file: decode inter-token latency"),
     "interference.itl.file_l2": pair("interference", "l2+file / l2: decode inter-token latency"),
     "interference.itl.l2": pair("interference", "l2+tierstore / l2: decode inter-token latency"),
