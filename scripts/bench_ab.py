@@ -66,11 +66,17 @@ def sh(*cmd: str, cwd: str | None = None) -> str:
     return subprocess.run(cmd, cwd=cwd, check=True, capture_output=True, text=True).stdout.strip()
 
 
-def worktree(repo: str, ref: str, into: str) -> tuple[str, str, bool]:
-    """(path, commit, patched) of a detached worktree of ``ref``."""
+def worktree(repo: str, name: str, ref: str, into: str) -> tuple[str, str, bool]:
+    """(path, commit, patched) of a detached worktree of ``ref`` for engine ``name`` (its own
+    even where both engines are one commit: an A/A run shows the noise), its C helper built in place
+    where it has one: a checkout holds no build, and its engine would otherwise move pages
+    from Python, which is not the engine being compared."""
     commit = sh("git", "rev-parse", ref, cwd=repo)
-    path = os.path.join(into, commit[:12])
+    path = os.path.join(into, f"{name}-{commit[:12]}")
     sh("git", "worktree", "add", "--detach", path, commit, cwd=repo)
+    if os.path.exists(os.path.join(path, "sglang_tierstore", "_pageio.c")):
+        sh(sys.executable, "-c", "from setuptools import setup; setup()", "build_ext", "--inplace", "-q", cwd=path)
+        print(f"{ref} ({commit[:12]}): its C helper built in the worktree", file=sys.stderr, flush=True)
     script = os.path.join(path, "scripts", "bench_io.py")
     text = open(script).read()
     patched = HANG in text
@@ -110,7 +116,7 @@ def main() -> int:
         trees = {}
         try:
             for name, ref in (("old", a.old), ("new", a.new)):
-                trees[name] = worktree(repo, ref, tmp)
+                trees[name] = worktree(repo, name, ref, tmp)
             order = [("old", "new") if k % 2 == 0 else ("new", "old") for k in range(a.runs)]
             runs: dict[str, list[dict[str, Any]]] = {"old": [], "new": []}
             seed = 0

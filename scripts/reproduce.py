@@ -14,7 +14,8 @@ command, index server versions and flags, packages, machine). After a full run t
 the README and docs quote are regenerated from those files (``figures.py --write``).
 A job that fails, hangs past its bound or leaves an output unstamped or stamped with
 another commit fails the command (the other jobs still run, and their outputs stay). No job
-runs while the engine Python imports is another checkout's.
+runs while the engine Python imports is another checkout's, and no measurement (all but
+``--quick``) while that engine's C helper is missing or older than its source.
 
 A committed result is stale when an output is missing, unstamped or stamped dirty, or
 when a file it comes from (:func:`sources`) changed since the commit its stamp names
@@ -292,17 +293,34 @@ def run_job(job: Job, results: Path, quick: bool, commit: str, timeout_s: float)
     return time.monotonic() - t0
 
 
-def engine_elsewhere() -> Optional[Path]:
-    """The checkout the jobs' Python imports the engine from, when it is not this one (None
-    when it is). A result is stamped with this checkout's commit, so it must have measured
-    this checkout's engine; ``pip install -e`` of another clone (a CI run's) repoints the
-    import without a word."""
-    out = subprocess.run([sys.executable, "-c", "import sglang_tierstore; print(sglang_tierstore.__file__)"],
+def engine_problem(measuring: bool) -> Optional[str]:
+    """Why the jobs must not run on the engine Python imports, or None. A result is stamped
+    with this checkout's commit, so it must have measured this checkout's engine: ``pip
+    install -e`` of another clone (a CI run's) repoints the import without a word. A
+    measurement must also run the C helper built from this checkout's ``_pageio.c``, which
+    the stamp does not show (see ``helper_problem``); a smoke run need not."""
+    out = subprocess.run([sys.executable, "-c", "import sglang_tierstore, sglang_tierstore.pagefile as p; "
+                          "print(sglang_tierstore.__file__); print(getattr(p._pageio, '__file__', ''))"],
                          capture_output=True, text=True, cwd=tempfile.gettempdir(), check=False)
     if out.returncode != 0:
         raise SystemExit(f"reproduce: the engine does not import: {out.stderr.strip().splitlines()[-1:]}")
-    root = Path(out.stdout.strip()).resolve().parent.parent
-    return None if root == ROOT else root
+    engine, helper = out.stdout.splitlines()
+    root = Path(engine).resolve().parent.parent
+    if root != ROOT:
+        return f"the engine imported is {root}'s, not this checkout's ({ROOT})"
+    return helper_problem(Path(helper) if helper else None, ROOT / "sglang_tierstore" / "_pageio.c") if measuring else None
+
+
+def helper_problem(built: Optional[Path], source: Path) -> Optional[str]:
+    """Why the C helper the engine loaded (``built``, None where it loaded none) is not the
+    one ``source`` builds, or None: the engine runs without it where it was never built, and
+    an old build keeps loading after the source changes. Built before the source's last
+    change means built from older source (a checkout's files are as new as the checkout)."""
+    if built is None:
+        return "the engine's C helper (_pageio) is not built, so pages would move from Python"
+    if built.stat().st_mtime < source.stat().st_mtime:
+        return f"the engine's C helper {built.name} was built before {source.name} last changed"
+    return None
 
 
 def main() -> int:
@@ -333,9 +351,8 @@ def main() -> int:
         jobs = [j for j in jobs if why_stale(j)]
         print(f"reproduce: stale: {', '.join(j.name for j in jobs) or 'none'} "
               f"({sum(j.minutes for j in jobs):.0f} min as planned)", file=sys.stderr, flush=True)
-    if (elsewhere := engine_elsewhere()) is not None:
-        ap.error(f"the engine imported is {elsewhere}'s, not this checkout's ({ROOT}): "
-                 f"pip install --no-deps -e {ROOT} first")
+    if (problem := engine_problem(measuring=not a.quick)) is not None:
+        ap.error(f"{problem}: pip install --no-deps -e {ROOT} first")
     results = Path(a.results) if a.results else (Path(tempfile.mkdtemp(prefix="reproduce-")) if a.quick else RESULTS)
     commit = _git("rev-parse", "HEAD")
     failed = []

@@ -176,7 +176,20 @@ def test_reproduce_refuses_to_measure_another_checkouts_engine(tmp_path: Path) -
                          capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
     assert out.returncode == 2 and f"the engine imported is {other}'s" in out.stderr, out.stderr[-2000:]
     assert not (tmp_path / "r").exists()
-    assert reproduce.engine_elsewhere() is None  # this checkout's own engine, as CI installs it
+    assert reproduce.engine_problem(measuring=True) is None  # this checkout's own engine and helper, as CI installs them
+
+
+def test_reproduce_measures_only_with_the_c_helper_built_from_this_source(tmp_path: Path) -> None:
+    """A measurement stamped with this commit must have moved pages through the C helper this
+    commit's source builds: none loaded, or one built before the source last changed, is refused."""
+    source, built = tmp_path / "_pageio.c", tmp_path / "_pageio.so"
+    source.write_text("/* source */")
+    built.write_bytes(b"")
+    os.utime(built, (source.stat().st_mtime - 10,) * 2)
+    assert reproduce.helper_problem(None, source) == "the engine's C helper (_pageio) is not built, so pages would move from Python"
+    assert reproduce.helper_problem(built, source) == "the engine's C helper _pageio.so was built before _pageio.c last changed"
+    os.utime(built, (source.stat().st_mtime + 10,) * 2)
+    assert reproduce.helper_problem(built, source) is None
 
 
 FAKE_LOADTEST = """
