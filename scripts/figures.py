@@ -124,19 +124,17 @@ def mixed_table() -> str:
 
 
 def staging_table() -> str:
-    """Staged / direct read throughput (medians) and the copy alone, per page size."""
-    sizes = load("bench_staging/bench_staging.json")["sizes"]
+    """Staged over direct read throughput per page size and store, paired per round (the
+    same batch read both ways in turn), with the copy alone."""
+    from compare import paired_ratio, say
 
-    def ratio(r: dict[str, Any], store: str, how: str) -> str:
-        s, d = r[store]["staged"], r[store]["direct"]
-        return f"{s[how]['median'] / d[how]['median']:.2f}"
-
-    rows = ["| page size | copy alone, us per page | O_DIRECT staged / direct: cold, warm | buffered: cold, warm |",
-            "|---|---|---|---|"]
-    for s, r in sizes.items():
-        rows.append(f"| {SIZES[s]} | {r['copy_us_per_page']['median']:.0f} | {ratio(r, 'O_DIRECT', 'read_cold_gbps')}, "
-                    f"{ratio(r, 'O_DIRECT', 'read_warm_gbps')} | {ratio(r, 'buffered', 'read_cold_gbps')}, "
-                    f"{ratio(r, 'buffered', 'read_warm_gbps')} |")
+    rows = ["| page size | copy alone, us per page | store | staged / direct, cold | staged / direct, warm |",
+            "|---|---|---|---|---|"]
+    for size, r in load("bench_staging/bench_staging.json")["sizes"].items():
+        for store in ("O_DIRECT", "buffered"):
+            s, d = r[store]["staged"], r[store]["direct"]
+            cells = [say(paired_ratio(s[k]["samples"], d[k]["samples"])) for k in ("read_cold_gbps", "read_warm_gbps")]
+            rows.append(f"| {SIZES[size]} | {r['copy_us_per_page']['median']:.0f} | {store} | {' | '.join(cells)} |")
     return "\n" + "\n".join(rows) + "\n"
 
 
