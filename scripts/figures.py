@@ -323,19 +323,25 @@ def validation_table() -> str:
     return "\n" + "\n".join(rows) + "\n"
 
 
+# validation_count's keys: (which tier shares it counts among, which of those it counts)
+VALIDATION_COUNTS: dict[str, tuple[Callable[[dict[str, Any]], bool], Callable[[dict[str, Any]], bool]]] = {
+    "within": (lambda v: True, lambda v: v["within"]),
+    "explained": (lambda v: not v["within"], lambda v: v["explained"]),
+    "outside": (lambda v: True, lambda v: not v["in_range"]),
+    "outside.explained": (lambda v: not v["in_range"], lambda v: v["explained"]),
+}
+
+
 def validation_count(key: str) -> Callable[[], str]:
-    """How many of the validation's tier shares are within 10 points (``within``), or, of
-    those that are not, within 10 points on the run's own draw (``explained``); how many
-    measured shares lie outside the range 95% of the model's draws land in (``outside``),
-    and of those, how many the run's own draw comes within 10 points of (``outside.explained``)."""
+    """"n of m" over the validation's tier shares: within 10 points of the measured one
+    (``within``); measured outside the range 95% of the model's draws land in (``outside``);
+    and, of the shares beyond 10 points or outside that range, those within 10 points on the
+    run's own draw (``explained``, ``outside.explained``)."""
+    among, counted = VALIDATION_COUNTS[key]
+
     def value() -> str:
-        cells = [v for r in load("planner/validation.json")["runs"].values() for v in r["tiers"].values()]
-        if key == "within":
-            return f"{sum(1 for v in cells if v['within'])} of {len(cells)}"
-        if key == "outside":
-            return f"{sum(1 for v in cells if not v['in_range'])} of {len(cells)}"
-        rest = [v for v in cells if not v["within" if key == "explained" else "in_range"]]
-        return f"{sum(1 for v in rest if v['explained'])} of {len(rest)}"
+        cells = [v for r in load("planner/validation.json")["runs"].values() for v in r["tiers"].values() if among(v)]
+        return f"{sum(1 for v in cells if counted(v))} of {len(cells)}"
     return value
 
 
