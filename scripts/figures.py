@@ -19,24 +19,60 @@ import math
 import re
 import sys
 from collections.abc import Callable, Mapping
-from functools import cache
+from functools import cache, wraps
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+import reproduce
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
 RESULTS = HERE / "results"
 PAGES = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
 MARK = re.compile(r"<!--f:([\w.+-]+)-->(.*?)<!--/f-->", re.S)
 SIZES = {"256K": "256 KiB", "1M": "1 MiB", "2M": "2 MiB", "8M": "8 MiB"}
 
 
-@cache
-def load(rel: str) -> Any:
+_read: set[str] = set()  # the jobs whose results the figure being computed has read (:func:`jobs_of`)
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def memo(fn: F) -> F:
+    """``functools.cache`` that also replays, on a cached answer, which jobs' results the
+    first call read, so that every figure built on it names them (:func:`jobs_of`)."""
+    done: dict[tuple[Any, ...], tuple[Any, set[str]]] = {}
+
+    @wraps(fn)
+    def inner(*args: Any) -> Any:
+        if args not in done:
+            outer = set(_read)
+            _read.clear()
+            try:
+                done[args] = (fn(*args), set(_read))
+            finally:
+                _read.update(outer)
+        value, read = done[args]
+        _read.update(read)
+        return value
+
+    return inner  # type: ignore[return-value]
+
+
+def result(rel: str) -> Path:
+    """The committed result file ``rel`` (under scripts/results/), counted as read by its job."""
     path = RESULTS / rel
     if not path.exists():
         raise SystemExit(f"figures: {path.relative_to(ROOT)} is missing (run scripts/reproduce.py)")
+    _read.add(rel.split("/", 1)[0])
+    return path
+
+
+def load(rel: str) -> Any:
+    return _parsed(result(rel))
+
+
+@cache
+def _parsed(path: Path) -> Any:
     return json.loads(path.read_text())
 
 
@@ -249,13 +285,13 @@ LOADTEST_RUNS = (("no-hicache", "no HiCache"), ("l2", "HiCache L2 only"), ("l2+f
                  ("l2+tierstore", "L2 + tierstore"))
 
 
-@cache
+@memo
 def loadtest_rounds() -> range:
     """The four-configuration load test's interleaved rounds (run ``<config>@r<k>``)."""
     return range(1, int(load("loadtest/rounds.json")["rounds"]) + 1)
 
 
-@cache
+@memo
 def loadtest_pooled(config: str) -> dict[str, Any]:
     """One configuration's returning turns, every round's requests pooled: TTFT quantiles
     and the token-weighted share of the resent prefix each tier served, as the load test
@@ -263,7 +299,7 @@ def loadtest_pooled(config: str) -> dict[str, Any]:
     from multiturn_loadtest import summarize
 
     rows = [json.loads(ln) for k in loadtest_rounds()
-            for ln in (RESULTS / f"loadtest/{config}@r{k}.jsonl").read_text().splitlines() if ln.strip()]
+            for ln in result(f"loadtest/{config}@r{k}.jsonl").read_text().splitlines() if ln.strip()]
     return dict(summarize([r for r in rows if "user" in r], [])["returning"])
 
 
@@ -616,6 +652,42 @@ def interference_targets() -> str:
     return "; ".join(parts)
 
 
+def jobs_of(page: Path) -> list[reproduce.Job]:
+    """The jobs whose results the figures marked on ``page`` are computed from."""
+    read: set[str] = set()
+    for m in MARK.finditer(page.read_text()):
+        if not m.group(1).startswith("stale."):
+            _read.clear()
+            compute(m.group(1))
+            read |= _read
+    return [j for j in reproduce.JOBS if j.name in read]
+
+
+@memo
+def measured(name: str) -> tuple[str, int] | None:
+    return reproduce.measured(reproduce.job_named(name))
+
+
+def stale_jobs(page: str) -> Callable[[], str]:
+    """A line for each job the figures on ``page`` come from whose results predate the code
+    as it stands: the commit it measured and how many commits to the code it runs came after
+    (``reproduce.measured``). A result is the record of its commit; a later change makes it
+    older, not wrong, and this says so where the figures stand."""
+    def value() -> str:
+        lines = []
+        for job in jobs_of(ROOT / page):
+            if (m := measured(job.name)) is not None:
+                commit, behind = m
+                lines.append(f"- `{job.name}` measured at {commit[:7]}, {behind} commit{'s' * (behind != 1)} to the code "
+                             "it runs before this one")
+        if not lines:
+            return "\n*Every figure here was measured on the code as it stands.*\n"
+        return ("\n*Measured before the code as it stands* (`python3 scripts/reproduce.py --stale` reruns them; "
+                "[what counts](" + ("docs/" if page == "README.md" else "") + "testing.md#results-and-staleness)):\n"
+                + "\n".join(lines) + "\n")
+    return value
+
+
 FIGURES: dict[str, Callable[[], str]] = {
     "io.cold_read.range": io_range("cold read / O_DIRECT read"),
     "io.write.range": io_range("write / O_DIRECT write"),
@@ -751,6 +823,9 @@ FIGURES: dict[str, Callable[[], str]] = {
     "loadtest.speedup.p90.l2": speedup("l2", "p90"),
     "loadtest.storage_share": share("l2+tierstore", "storage"),
     "loadtest.own_storage_share": share("l2+tierstore", "storage", own=True),
+    "stale.readme": stale_jobs("README.md"),
+    "stale.performance": stale_jobs("docs/performance.md"),
+    "stale.loadtest": stale_jobs("docs/loadtest.md"),
 }
 
 

@@ -823,7 +823,7 @@ def main() -> int:
     if args.rounds > 1 and not args.runs:
         tags = [t for c in configs for t in (f"{c}{suffix}@r{k + 1}" for k in range(args.rounds))]
     rc = report(args, tags, model, bpt)
-    if args.rounds > 1:
+    if args.rounds > 1 or (args.runs and all(t.endswith("@r1") for t in tags)):  # interleaved rounds, or a report of one
         text = rounds_report(args.output_dir, configs, suffix, args.rounds)
         with open(os.path.join(args.output_dir, "summary.txt"), "a") as f:
             f.write("\n" + text + "\n")

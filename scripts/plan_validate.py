@@ -3,6 +3,7 @@
 
     python3 scripts/plan_validate.py --output-dir scripts/results/planner     # ~25 min on 2 cores
     python3 scripts/plan_validate.py --quick --output-dir /tmp/plan-smoke     # one tiny run
+    python3 scripts/plan_validate.py --quick --reuse DIR --output-dir ...     # the load test's smoke run in DIR
 
 For each variant (think times and pool sizes that move the shares between tiers) it
 runs ``loadtest_tiers.py --configs l2+tierstore`` into ``<output-dir>/<variant>/``, then
@@ -49,7 +50,8 @@ VARIANTS = {  # what differs per run
     "think30": {"think-time-median": 30.0, "seed": 2},  # each its own draw: three runs, not one draw thrice
     "think30-gpu12k": {"think-time-median": 30.0, "max-total-tokens": 12288, "seed": 3},
 }
-QUICK = {"num-clients": 3, "request-rate": 2.0, "num-rounds": 2, "request-length": 32, "sub-question-input-length": 16,
+# the smoke's workload: the load test's own smoke run (reproduce.QUICK_LOADTEST) is this one, so --reuse can validate it
+QUICK = {"num-clients": 2, "request-rate": 2.0, "num-rounds": 2, "request-length": 32, "sub-question-input-length": 16,
          "output-length": 4, "system-prompt-length": 32, "num-tenants": 1, "max-total-tokens": 2048,
          "think-time-median": 1.0}
 QUICK_MODEL = ("--hidden", "64", "--layers", "2")
@@ -151,12 +153,19 @@ def main() -> int:
     ap.add_argument("--output-dir", default=os.path.join(HERE, "results", "planner"))
     ap.add_argument("--workdir", default="/var/tmp/tierstore-planner")
     ap.add_argument("--quick", action="store_true", help="one tiny run: the code paths, not a measurement")
+    ap.add_argument("--reuse", metavar="DIR", help="with --quick: validate the load test's smoke run of the same workload "
+                    f"in DIR ({TAG}@r1, as reproduce.py --quick leaves it) instead of running one")
     a = ap.parse_args()
+    if a.reuse and not a.quick:
+        ap.error("--reuse: only a smoke run reuses another's run; a validation runs its own")
     out = os.path.abspath(a.output_dir)
     variants = dict(list(VARIANTS.items())[:1]) if a.quick else VARIANTS
     runs = {}
     for name, opts in variants.items():
         full = {**WORKLOAD, **opts, **(QUICK if a.quick else {})}
+        if a.reuse:
+            runs[name] = validate("r1", full, os.path.abspath(a.reuse))
+            continue
         run(name, full, os.path.join(out, name), a.workdir, QUICK_MODEL if a.quick else ())
         runs[name] = validate(name, full, os.path.join(out, name))
     s = stamp(directory=a.workdir)

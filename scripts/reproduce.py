@@ -12,16 +12,21 @@ smallest that still takes every code path) and writes ``<results>/<job>/``: the 
 JSON and its printed report, each stamped by ``provenance.py`` (commit and dirty flag,
 command, index server versions and flags, packages, machine). After a full run the figures
 the README and docs quote are regenerated from those files (``figures.py --write``).
-A job that fails, hangs past its bound or leaves an output unstamped or stamped with
-another commit fails the command (the other jobs still run, and their outputs stay). No job
-runs while the engine Python imports is another checkout's, and no measurement (all but
-``--quick``) while that engine's C helper is missing or older than its source.
+A job that fails, hangs past its bound or leaves an output unstamped, another checkout's or
+stamped with a commit whose code differs from what ran fails the command (the other jobs
+still run, and their outputs stay). No job runs while the engine Python imports is another
+checkout's, and no measurement (all but ``--quick``) while that engine's C helper is missing
+or older than its source.
 
-A committed result is stale when an output is missing, unstamped or stamped dirty, or
-when a file it comes from (:func:`sources`) changed since the commit its stamp names
-(``tests/test_reproduce.py`` fails CI on one). ``--stale`` runs just those jobs, and a
-load test runs one labelled round at a time, keeping the rounds already fresh: a
-regeneration longer than one sitting goes on where it stopped.
+A committed result is the record of the commit its stamp names. It is no record at all
+(:func:`problem`; ``tests/test_reproduce.py`` fails CI on one) when an output is missing,
+unstamped, stamped dirty or stamped with another checkout's engine. It is stale, which is
+shown and never fatal, when the code of a file it comes from (:func:`sources`) changed since
+that commit: :func:`code` compares syntax trees, so comments, docstrings and formatting
+stale nothing. ``figures.py`` writes a line per stale job beside the figures it quotes
+(:func:`measured`); ``--stale`` reruns just those jobs, and a load test runs one labelled
+round at a time, keeping the rounds still fresh: a regeneration longer than one sitting
+goes on where it stopped.
 
 ``--quick`` never writes under ``scripts/results/`` unless ``--results`` says so: its
 figures are smoke, not measurements.
@@ -31,18 +36,22 @@ from __future__ import annotations
 
 import argparse
 import ast
+import hashlib
+import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import Optional, Sequence
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from provenance import _git, read_stamp  # noqa: E402
+from provenance import read_stamp  # noqa: E402
 
 ROOT = HERE.parent
 RESULTS = HERE / "results"
@@ -52,8 +61,9 @@ CPU_HARNESS = ROOT / "tests" / "cpu_harness"  # the CPU server's flags, model an
 
 @dataclass(frozen=True)
 class Job:
-    """One script's committed run: ``{dir}`` in its arguments is the job's output directory,
-    ``stdout`` the file its printed report goes to, ``outputs`` every file it leaves there."""
+    """One script's committed run: ``{dir}`` in its arguments is the job's output directory
+    (``{results}``: the directory of every job's), ``stdout`` the file its printed report
+    goes to, ``outputs`` every file it leaves there."""
 
     name: str
     script: str
@@ -65,26 +75,32 @@ class Job:
     server: bool = False  # starts real SGLang servers (its smoke run is in the suite's server lane)
     also: tuple[str, ...] = ()  # glob patterns of further files it leaves (per-run files, plots)
     rounds: bool = False  # a load test whose --rounds run one labelled round at a time (see run_rounds)
+    extra: tuple[str, ...] = ()  # glob patterns (from the checkout's root) of further files its results come from
 
 
-# the load tests' smoke: two configurations, two rounds, a model too small to mean anything
-QUICK_LOADTEST = ("--rounds", "2", "--configs", "l2,l2+tierstore", "--hidden", "64", "--layers", "2", "--num-clients", "2",
+# the load-test jobs' one smoke run (loadtest, interference, and planner's --reuse of it): one configuration,
+# one round, a model too small to mean anything, plan_validate.py's smoke workload
+QUICK_LOADTEST = ("--rounds", "1", "--configs", "l2+tierstore", "--hidden", "64", "--layers", "2", "--num-clients", "2",
                   "--num-rounds", "2", "--request-length", "32", "--sub-question-input-length", "16",
                   "--system-prompt-length", "32", "--num-tenants", "1", "--output-length", "4", "--think-time-median", "1",
-                  "--request-rate", "2", "--max-total-tokens", "2048", "--idle-s", "1",
-                  "--workdir", "/var/tmp/tierstore-loadtest-smoke", "--output-dir", "{dir}")
+                  "--request-rate", "2", "--max-total-tokens", "2048", "--idle-s", "1", "--seed", "1",
+                  "--think-time-sigma", "0.8", "--page-size", "16", "--max-running-requests", "3", "--hicache-ratio", "2",
+                  "--l3-gb", "8", "--workdir", "/var/tmp/tierstore-loadtest-smoke", "--output-dir", "{dir}")
 LOADTEST_OUTPUTS = ("summary.txt", "rounds.json", "planner.json", "calibration@r1.json")
 LOADTEST_ALSO = ("*.jsonl", "*.summary.json", "compare_*.png")
 
+# what the suite's time comes from beyond the engine: every test, every script the tests run, what CI installs
+SUITE = ("tests/**/*", "scripts/*.py", "scripts/setup.sh", "scripts/requirements-sglang.txt", "pyproject.toml", ".ci/run")
+
 JOBS: tuple[Job, ...] = (
     Job("bench_io", "bench_io.py", ("--repeat", "11", "--probe-repeat", "1000", "--out", "{dir}/bench_io.json"),
-        ("--sizes", "256K", "--repeat", "3", "--probe-repeat", "20", "--out", "{dir}/bench_io.json"),
+        ("--sizes", "256K", "--repeat", "2", "--probe-repeat", "5", "--out", "{dir}/bench_io.json"),
         ("bench_io.json", "bench_io.txt"), "bench_io.txt", 10),
     Job("bench_mixed", "bench_io.py", ("--mixed", "--repeat", "15", "--out", "{dir}/bench_mixed.json"),
-        ("--mixed", "--sizes", "256K", "--repeat", "3", "--reads", "3", "--out", "{dir}/bench_mixed.json"),
+        ("--mixed", "--sizes", "256K", "--repeat", "2", "--reads", "2", "--out", "{dir}/bench_mixed.json"),
         ("bench_mixed.json", "bench_mixed.txt"), "bench_mixed.txt", 12),
     Job("bench_staging", "bench_staging.py", ("--repeat", "11", "--out", "{dir}/bench_staging.json"),
-        ("--sizes", "256K", "--repeat", "3", "--out", "{dir}/bench_staging.json"),
+        ("--sizes", "256K", "--repeat", "2", "--out", "{dir}/bench_staging.json"),
         ("bench_staging.json", "bench_staging.txt"), "bench_staging.txt", 6),
     Job("bench_tags", "bench_tags.py", ("--reps", "15", "--out", "{dir}/bench_tags.json"),
         ("--reps", "3", "--out", "{dir}/bench_tags.json"), ("bench_tags.json", "bench_tags.txt"), "bench_tags.txt", 2),
@@ -99,7 +115,7 @@ JOBS: tuple[Job, ...] = (
     Job("bench_index", "bench_index.py", ("--out", "{dir}"), ("--quick", "--out", "{dir}"),
         ("bench_index.json", "bench_index.txt"), "bench_index.txt", 5),
     Job("stress", "stress.py", ("--procs", "3", "--threads", "2", "--seconds", "600", "--seed", "1", "--json", "{dir}/stress.json"),
-        ("--procs", "2", "--threads", "1", "--seconds", "6", "--seed", "1", "--kill-every", "2", "--redis-every", "3",
+        ("--procs", "2", "--threads", "1", "--seconds", "3", "--seed", "1", "--kill-every", "1", "--redis-every", "2",
          "--json", "{dir}/stress.json"),
         ("stress.json", "stress.txt"), "stress.txt", 12),
     Job("loadtest", "loadtest_tiers.py",
@@ -112,19 +128,24 @@ JOBS: tuple[Job, ...] = (
          "--think-time-median", "20", "--request-rate", "0.4", "--output-length", "32", "--idle-s", "20",
          "--workdir", "/var/tmp/tierstore-interference", "--output-dir", "{dir}"),
         QUICK_LOADTEST, LOADTEST_OUTPUTS, None, 75, server=True, also=LOADTEST_ALSO, rounds=True),
-    Job("planner", "plan_validate.py", ("--output-dir", "{dir}"), ("--quick", "--output-dir", "{dir}"),
+    Job("planner", "plan_validate.py", ("--output-dir", "{dir}"), ("--quick", "--reuse", "{results}/loadtest", "--output-dir", "{dir}"),
         ("validation.json", "validation.txt"), None, 30, server=True, also=("*/*",)),
     Job("suite", "suite_timing.py", ("--out", "{dir}/suite.json"), ("--quick", "--out", "{dir}/suite.json"),
-        ("suite.json", "suite.txt"), "suite.txt", 25),
+        ("suite.json", "suite.txt"), "suite.txt", 25, extra=SUITE),
 )
 
 
-def _imports(path: Path) -> set[Path]:
+def _imports(path: Path) -> frozenset[Path]:
     """The repository's files that ``path`` imports anywhere in it (inside functions too):
     the package's modules (relative imports resolved), and scripts' or tests' helpers by
     their bare names."""
+    return _imports_of(path, path.stat().st_mtime_ns)
+
+
+@cache
+def _imports_of(path: Path, mtime_ns: int) -> frozenset[Path]:
     found: set[Path] = set()
-    package = path.parent.relative_to(ROOT).parts
+    package = path.parent.relative_to(ROOT).parts if path.is_relative_to(ROOT) else ()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
@@ -144,7 +165,7 @@ def _imports(path: Path) -> set[Path]:
                 for cand in (base_dir.joinpath(*parts).with_suffix(".py"), base_dir.joinpath(*parts, "__init__.py")):
                     if cand.is_file():
                         found.add(cand)
-    return found
+    return frozenset(found)
 
 
 # Earlier versions of a file whose outputs are the same as the file's now (shown by
@@ -153,6 +174,164 @@ def _imports(path: Path) -> set[Path]:
 # computes never does.
 EQUIVALENT = {"scripts/compare.py": ("a65415b",)}  # 4ada918 gave the three bootstraps one percentile step
 
+# what of a C or Lua text is code: strings kept whole, comments and runs of blanks dropped
+_C_TOKENS = re.compile(r'"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'|//[^\n]*|/\*.*?\*/|[ \t]+', re.S)
+_LUA_TOKENS = re.compile(r'"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'|\[(=*)\[.*?\]\1\]'
+                         r'|--\[(=*)\[.*?\]\2\]|--[^\n]*|[ \t]+', re.S)
+
+
+def _uncommented(text: str, tokens: re.Pattern[str]) -> str:
+    def keep(m: re.Match[str]) -> str:
+        t = m.group(0)
+        return t if t[0] in "\"'[" else " "  # a string stays; a comment or a run of blanks is one blank
+    return "\n".join(s for line in tokens.sub(keep, text).splitlines() if (s := line.strip()))
+
+
+_DOCSTRING_OWNERS = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+_STATEMENT_LISTS = ("body", "orelse", "finalbody", "handlers", "cases")
+
+
+def _without_docstrings(node: ast.AST) -> ast.AST:
+    """``node`` with the docstring of every module, class and function in it dropped
+    (descending statement lists only: no docstring hides in an expression)."""
+    body = getattr(node, "body", None)
+    if isinstance(node, _DOCSTRING_OWNERS) and body and isinstance(body[0], ast.Expr) \
+            and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+        node.body = body[1:] or [ast.Pass()]  # type: ignore[attr-defined]
+    for field in _STATEMENT_LISTS:
+        for child in getattr(node, field, None) or ():
+            if isinstance(child, ast.AST):
+                _without_docstrings(child)
+    return node
+
+
+def code(path: str, text: str) -> str:
+    """What of a source file's text its results depend on: for Python its syntax tree less
+    docstrings (comments, docstrings and formatting are not code), for C and Lua the text
+    less comments, blank lines and runs of blanks, for anything else the text itself."""
+    if path.endswith(".py"):
+        try:
+            return ast.dump(_without_docstrings(ast.parse(text)))
+        except SyntaxError:
+            return text
+    if path.endswith((".c", ".h")):
+        return _uncommented(text, _C_TOKENS)
+    if path.endswith(".lua"):
+        return _uncommented(text, _LUA_TOKENS)
+    return text
+
+
+# digests of code() by text, kept across runs (figures.py and the tests ask the same questions
+# many times); keyed by this file too, so that a change to code() forgets them
+_DIGESTS = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "sglang-tierstore" / "code-digests"
+_SALT = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+
+
+def _digest(path: str, text: bytes) -> str:
+    """A digest of ``code(path, text)``: equal digests, equal code."""
+    key = hashlib.sha256(f"{_SALT}:{Path(path).suffix}:".encode() + text).hexdigest()
+    kept = _DIGESTS / key[:2] / key
+    try:
+        return kept.read_text()
+    except OSError:
+        pass
+    digest = hashlib.sha256(code(path, text.decode(errors="replace")).encode()).hexdigest()
+    try:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        tmp = kept.with_suffix(f".{os.getpid()}")
+        tmp.write_text(digest)
+        tmp.replace(kept)
+    except OSError:  # a cache: computed again next time
+        pass
+    return digest
+
+
+WORKTREE = "worktree"  # as a commit: the files as they are now, committed or not
+
+
+def _code_at(commit: str, path: str) -> Optional[str]:
+    """A digest of ``path``'s code at ``commit`` (a full hash, or WORKTREE); None where it is absent."""
+    if commit != WORKTREE:
+        return _committed_code(commit, path)
+    try:
+        return _file_code(path, (ROOT / path).stat().st_mtime_ns)
+    except FileNotFoundError:
+        return None
+
+
+@cache
+def _file_code(path: str, mtime_ns: int) -> str:
+    return _digest(path, (ROOT / path).read_bytes())
+
+
+@cache
+def _committed_code(commit: str, path: str) -> Optional[str]:
+    text = _blobs().read(f"{commit}:{path}")
+    return None if text is None else _digest(path, text)
+
+
+class _Blobs:
+    """One ``git cat-file --batch`` for the process: a file's bytes at a commit, without a
+    process per file."""
+
+    def __init__(self) -> None:
+        self._git = subprocess.Popen(["git", "-C", str(ROOT), "cat-file", "--batch"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE)
+
+    def read(self, spec: str) -> Optional[bytes]:
+        """The bytes of ``commit:path``, or None where the commit has no such file."""
+        assert self._git.stdin is not None and self._git.stdout is not None
+        self._git.stdin.write(spec.encode() + b"\n")
+        self._git.stdin.flush()
+        header = self._git.stdout.readline().split()
+        if len(header) != 3 or header[1] != b"blob":
+            return None
+        data = self._git.stdout.read(int(header[2]))
+        self._git.stdout.read(1)  # the newline after the object
+        return data
+
+
+@cache
+def _blobs() -> _Blobs:
+    return _Blobs()
+
+
+def _same_code(path: str, a: str, b: str) -> bool:
+    """Whether ``path`` holds the same code at ``a`` and ``b``, or versions EQUIVALENT for its results."""
+    ca, cb = _code_at(a, path), _code_at(b, path)
+    if ca == cb:
+        return True
+    now = {_code_at(WORKTREE, path), *(_code_at(_rev(c), path) for c in EQUIVALENT.get(path, ()))}
+    return ca in now and cb in now
+
+
+def _git_lines(*args: str) -> list[str]:
+    return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=True).stdout.split()
+
+
+def _rev(commit: str) -> str:
+    return _git_lines("rev-parse", commit)[0]
+
+
+def changed_since(commit: str, files: list[str]) -> list[str]:
+    """The files of ``files`` whose code (:func:`code`) differs between ``commit`` and the
+    working tree, less those whose version at ``commit`` is EQUIVALENT to theirs now."""
+    touched = {*_git_lines("diff", "--name-only", commit, "--", *files),
+               *_git_lines("ls-files", "--others", "--exclude-standard", "--", *files)}
+    return sorted(f for f in touched if not _same_code(f, _rev(commit), WORKTREE))
+
+
+def code_commits(commit: str, files: list[str]) -> int:
+    """How many commits after ``commit`` change the code of one of ``files`` (the working
+    tree counting as one more where it changes it): how far a result stamped with ``commit``
+    lies behind."""
+    def changes(a: str, b: str) -> bool:
+        return any(not _same_code(f, a, b) for f in (_git_lines("diff", "--name-only", a, b, "--", *files)
+                                                     if b != WORKTREE else changed_since(a, files)))
+    head = _rev("HEAD")
+    revs = _git_lines("rev-list", "--first-parent", f"{commit}..HEAD", "--", *files)
+    return sum(changes(_rev(f"{r}^"), r) for r in revs) + changes(head, WORKTREE)
+
 
 def show(commit: str, path: str) -> str:
     """``path`` as it was at ``commit``."""
@@ -160,19 +339,12 @@ def show(commit: str, path: str) -> str:
                           check=True).stdout
 
 
-def changed_since(commit: str, files: list[str]) -> list[str]:
-    """The files of ``files`` that differ between ``commit`` and HEAD, less those whose
-    version at ``commit`` is one of their EQUIVALENT versions."""
-    out = subprocess.run(["git", "-C", str(ROOT), "diff", "--name-only", commit, "HEAD", "--", *files],
-                         capture_output=True, text=True, check=True).stdout.split()
-    return [f for f in out if not any(show(commit, f) == show(c, f) for c in EQUIVALENT.get(f, ()))]
-
-
 def sources(job: Job) -> list[str]:
     """The files a job's results come from: the job's script and everything it imports,
     directly or through its helpers (scripts/, tests/), the engine's modules with the Lua the
-    index runs and the C the page I/O runs, and for a job that starts SGLang servers the CPU
-    harness they run in (a planning module no job imports is not the engine)."""
+    index runs and the C the page I/O runs, for a job that starts SGLang servers the CPU
+    harness they run in (a planning module no job imports is not the engine), and the files
+    its ``extra`` patterns name."""
     todo, seen = [ENGINE_ENTRY, HERE / job.script], set()
     while todo:
         f = todo.pop()
@@ -181,35 +353,79 @@ def sources(job: Job) -> list[str]:
             todo.extend(_imports(f))
     seen |= set((ROOT / "sglang_tierstore").rglob("*.lua")) | set((ROOT / "sglang_tierstore").rglob("*.c"))
     if job.server:
-        seen |= {f for f in CPU_HARNESS.rglob("*") if f.is_file() and "__pycache__" not in f.parts}
-    return sorted(str(f.relative_to(ROOT)) for f in seen)
+        seen |= {f for f in CPU_HARNESS.rglob("*") if f.is_file()}
+    seen |= {f for g in job.extra for f in ROOT.glob(g) if f.is_file()}
+    return sorted(str(f.relative_to(ROOT)) for f in seen if f.is_relative_to(ROOT) and "__pycache__" not in f.parts)
 
 
-def _why(path: Path, deps: list[str], changes_ok: bool = False) -> Optional[str]:
-    """Why ``path`` does not describe HEAD (None: it does): missing, unstamped, stamped
-    dirty, or (unless ``changes_ok``) one of ``deps`` changed since its commit."""
+def problem(path: Path, dirty_ok: bool = False) -> Optional[str]:
+    """Why ``path`` is not the record of a commit's run of this checkout (None: it is):
+    missing, unstamped, stamped dirty (the tree differed from its commit; unless
+    ``dirty_ok``), or stamped with another checkout's engine (an editable install pointing
+    elsewhere). Fatal in CI for a committed result."""
     if not path.exists():
         return "missing"
     if path.suffix not in (".json", ".txt"):
         return None
     s = read_stamp(path) or {}
-    if not s.get("commit") or s.get("dirty") is not False:
-        return "stamped dirty" if s.get("commit") else "unstamped"
-    if not changes_ok and (changed := changed_since(s["commit"], deps)):
+    if not s.get("commit"):
+        return "unstamped"
+    if s.get("dirty") is not False and not dirty_ok:
+        return "stamped dirty"
+    if s.get("engine") != ".":
+        return f"measured another checkout's engine ({s.get('engine')})"
+    return None
+
+
+def _why(path: Path, deps: list[str], dirty_ok: bool = False) -> Optional[str]:
+    """Why ``path`` does not describe the code as it stands (None: it does): a
+    :func:`problem`, or the code of one of ``deps`` changed since its clean commit (stale).
+    A dirty stamp (with ``dirty_ok``: a run just made) measured the files as they are."""
+    if (p := problem(path, dirty_ok)) is not None:
+        return p
+    s = read_stamp(path) if path.suffix in (".json", ".txt") else None
+    if s and s.get("dirty") is False and (changed := changed_since(s["commit"], deps)):
         return f"{', '.join(changed)} changed since {s['commit'][:12]}"
     return None
 
 
-def why_stale(job: Job, results: Path = RESULTS, changes_ok: bool = False) -> list[str]:
-    """Why the job's results under ``results`` no longer describe HEAD, one line per file
-    (empty: they do). Covers the outputs the job must leave and every stamped file it left;
-    a stray file is not the job's concern (tests/test_reproduce.py catches those).
-    ``changes_ok``: only missing, unstamped and dirty files count (a job being rerun)."""
+def job_files(job: Job, results: Path = RESULTS) -> list[Path]:
+    """The files of a job under ``results``: the outputs it must leave and every stamped
+    file it left (a stray file is not the job's concern: tests/test_reproduce.py catches those)."""
     out = results / job.name
-    files = {out / o for o in job.outputs} | {p for g in job.also for p in out.glob(g) if p.suffix in (".json", ".txt")}
+    return sorted({out / o for o in job.outputs} | {p for g in job.also for p in out.glob(g) if p.suffix in (".json", ".txt")})
+
+
+def _shown(path: Path, results: Path) -> Path:
+    return path.relative_to(results.parent) if results == RESULTS else path
+
+
+def problems(job: Job, results: Path = RESULTS) -> list[str]:
+    """The job's files under ``results`` that are no record of a run (:func:`problem`), one line each."""
+    return [f"{_shown(p, results)}: {why}" for p in job_files(job, results) if (why := problem(p))]
+
+
+def why_stale(job: Job, results: Path = RESULTS) -> list[str]:
+    """Why the job's results under ``results`` no longer describe the code as it stands, one
+    line per file (empty: they do): its problems, or code changed since (:func:`_why`)."""
     deps = sources(job)
-    return [f"{path.relative_to(results.parent) if results == RESULTS else path}: {why}"
-            for path in sorted(files) if (why := _why(path, deps, changes_ok))]
+    return [f"{_shown(p, results)}: {why}" for p in job_files(job, results) if (why := _why(p, deps))]
+
+
+def measured(job: Job, results: Path = RESULTS) -> Optional[tuple[str, int]]:
+    """Where a stale job's committed results stand: the oldest commit its files were stamped
+    with and how many commits to the code it runs came after it (:func:`code_commits`); None
+    where its results describe the code as it stands or are no record at all."""
+    deps = sources(job)
+    files = job_files(job, results)
+    if any(problem(p) for p in files):
+        return None
+    stamps = {s["commit"] for p in files if p.suffix in (".json", ".txt") and (s := read_stamp(p))}
+    behind = {c: code_commits(c, deps) for c in stamps if changed_since(c, deps)}
+    if not behind:
+        return None
+    oldest = max(behind, key=lambda c: (behind[c], len(_git_lines("rev-list", f"{c}..HEAD"))))
+    return oldest, behind[oldest]
 
 
 def job_named(name: str) -> Job:
@@ -223,7 +439,7 @@ def labelled_rounds(args: Sequence[str]) -> tuple[list[tuple[list[str], list[str
     """A load test's ``--configs C --rounds N`` as N invocations of one round each, labelled
     ``rK`` and with its configurations rotated K-1 places as the script's own ``--rounds``
     runs them ((configurations, arguments) each), then the report over them all
-    (``--report-only``)."""
+    (``--report-only``, naming every labelled run)."""
     a = list(args)
     i = a.index("--rounds")
     n = int(a[i + 1])
@@ -234,11 +450,13 @@ def labelled_rounds(args: Sequence[str]) -> tuple[list[tuple[list[str], list[str
     for k in range(n):
         rotated = configs[k % len(configs) :] + configs[: k % len(configs)]
         rounds.append((rotated, [*a[: j + 1], ",".join(rotated), *a[j + 2 :], "--label", f"r{k + 1}"]))
-    return rounds, [*args, "--report-only"]
+    runs = ",".join(f"{c}@r{k + 1}" for c in configs for k in range(n))
+    return rounds, [*args, "--report-only", "--runs", runs]
 
 
 def _run(job: Job, argv: list[str], out: Path, sink_name: Optional[str], timeout_s: float) -> None:
-    argv = [sys.executable, str(HERE / job.script), *(a.replace("{dir}", str(out)) for a in argv)]
+    argv = [sys.executable, str(HERE / job.script), *(a.replace("{dir}", str(out)).replace("{results}", str(out.parent))
+                                                      for a in argv)]
     print(f"reproduce: {job.name}: {' '.join(argv[1:])}", file=sys.stderr, flush=True)
     with open(out / sink_name, "w") if sink_name else open("/dev/null", "w") as sink:
         try:
@@ -246,7 +464,8 @@ def _run(job: Job, argv: list[str], out: Path, sink_name: Optional[str], timeout
         except subprocess.TimeoutExpired:
             raise SystemExit(f"reproduce: {job.name} ran past {timeout_s:.0f} s") from None
     if rc != 0:
-        raise SystemExit(f"reproduce: {job.name} exited {rc} (its report so far: {out / (sink_name or '')})")
+        tail = "".join((out / sink_name).read_text(errors="replace").splitlines(keepends=True)[-15:]) if sink_name else ""
+        raise SystemExit(f"reproduce: {job.name} exited {rc}; the end of its report ({out / (sink_name or '')}):\n{tail}")
 
 
 def run_rounds(job: Job, args: Sequence[str], out: Path, timeout_s: float) -> None:
@@ -269,10 +488,11 @@ def run_rounds(job: Job, args: Sequence[str], out: Path, timeout_s: float) -> No
     _run(job, report, out, job.stdout, timeout_s)
 
 
-def run_job(job: Job, results: Path, quick: bool, commit: str, timeout_s: float) -> float:
+def run_job(job: Job, results: Path, quick: bool, timeout_s: float) -> float:
     """Run ``job`` into ``results/<name>``, replacing what was there (a rounds job keeps
     its fresh rounds: :func:`run_rounds`); returns its seconds. Raises SystemExit naming
-    the job when it fails or an output is missing or misstamped."""
+    the job when it fails or an output is missing, unstamped, another checkout's, or
+    stamped with a commit whose code differs from what ran (:func:`_why`)."""
     out = results / job.name
     args = job.quick if quick else job.full
     t0 = time.monotonic()
@@ -282,14 +502,10 @@ def run_job(job: Job, results: Path, quick: bool, commit: str, timeout_s: float)
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
         _run(job, list(args), out, job.stdout, timeout_s)
+    deps = sources(job)
     for name in job.outputs:
-        path = out / name
-        if not path.exists():
-            raise SystemExit(f"reproduce: {job.name} left no {path}")
-        s = read_stamp(path) if path.suffix in (".json", ".txt") else {"commit": commit}
-        kept = job.rounds and name.startswith("calibration@") and _why(path, sources(job)) is None  # a kept round's
-        if not kept and (not s or s.get("commit") != commit):
-            raise SystemExit(f"reproduce: {path} is not stamped with this commit ({commit[:12]}): {s and s.get('commit')}")
+        if (why := _why(out / name, deps, dirty_ok=True)) is not None:
+            raise SystemExit(f"reproduce: {job.name}'s {out / name} is no record of this code: {why}")
     return time.monotonic() - t0
 
 
@@ -299,8 +515,8 @@ def engine_problem(measuring: bool) -> Optional[str]:
     install -e`` of another clone (a CI run's) repoints the import without a word. A
     measurement must also run the C helper built from this checkout's ``_pageio.c``, which
     the stamp does not show (see ``helper_problem``); a smoke run need not."""
-    out = subprocess.run([sys.executable, "-c", "import sglang_tierstore, sglang_tierstore.pagefile as p; "
-                          "print(sglang_tierstore.__file__); print(getattr(p._pageio, '__file__', ''))"],
+    out = subprocess.run([sys.executable, "-c", "import sglang_tierstore, sglang_tierstore._native as n; "
+                          "print(sglang_tierstore.__file__); print(getattr(n.pageio, '__file__', ''))"],
                          capture_output=True, text=True, cwd=tempfile.gettempdir(), check=False)
     if out.returncode != 0:
         raise SystemExit(f"reproduce: the engine does not import: {out.stderr.strip().splitlines()[-1:]}")
@@ -329,36 +545,37 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="the smoke run of each job: seconds, not measurements")
     ap.add_argument("--results", help="where job directories go (default scripts/results/; with --quick a temporary directory)")
     ap.add_argument("--list", action="store_true", help="list the jobs, whether their committed results are stale, and stop")
-    ap.add_argument("--stale", action="store_true", help="of the jobs chosen, run only those whose committed results are stale")
+    ap.add_argument("--stale", action="store_true", help="of the jobs chosen, run only those whose results (committed, "
+                    "or under --results) are stale")
     ap.add_argument("--skip-server", action="store_true", help="leave out jobs that start real SGLang servers")
     ap.add_argument("--no-figures", action="store_true", help="do not regenerate the docs' figures afterwards")
     a = ap.parse_args()
     if a.list:
         for j in JOBS:
             why = why_stale(j)
-            print(f"{j.name:<14} {j.minutes:>5.0f} min  {'stale' if why else 'fresh'}  scripts/{j.script} {' '.join(j.full)}")
+            state = "no record" if problems(j) else "stale" if why else "fresh"
+            print(f"{j.name:<14} {j.minutes:>5.0f} min  {state}  scripts/{j.script} {' '.join(j.full)}")
             for line in why[:3]:
                 print(f"{'':<22}{line}")
             if len(why) > 3:
                 print(f"{'':<22}... and {len(why) - 3} more")
         return 0
-    if a.stale and (a.quick or a.results):
-        ap.error("--stale: regenerates committed results, so neither --quick nor --results")
+    if a.stale and a.quick:
+        ap.error("--stale: regenerates measurements, which --quick does not make")
     jobs = [job_named(n) for n in a.only.split(",")] if a.only else list(JOBS)
     if a.skip_server:
         jobs = [j for j in jobs if not j.server]
+    results = Path(a.results) if a.results else (Path(tempfile.mkdtemp(prefix="reproduce-")) if a.quick else RESULTS)
     if a.stale:
-        jobs = [j for j in jobs if why_stale(j)]
+        jobs = [j for j in jobs if why_stale(j, results)]
         print(f"reproduce: stale: {', '.join(j.name for j in jobs) or 'none'} "
               f"({sum(j.minutes for j in jobs):.0f} min as planned)", file=sys.stderr, flush=True)
-    if (problem := engine_problem(measuring=not a.quick)) is not None:
-        ap.error(f"{problem}: pip install --no-deps -e {ROOT} first")
-    results = Path(a.results) if a.results else (Path(tempfile.mkdtemp(prefix="reproduce-")) if a.quick else RESULTS)
-    commit = _git("rev-parse", "HEAD")
+    if (refused := engine_problem(measuring=not a.quick)) is not None:
+        ap.error(f"{refused}: pip install --no-deps -e {ROOT} first")
     failed = []
     for j in jobs:
         try:
-            secs = run_job(j, results, a.quick, commit, timeout_s=300 if a.quick else j.minutes * 60 * 3)
+            secs = run_job(j, results, a.quick, timeout_s=300 if a.quick else j.minutes * 60 * 3)
         except SystemExit as e:  # the next jobs still run: one broken script costs its own results only
             print(e, file=sys.stderr, flush=True)
             failed.append(j.name)

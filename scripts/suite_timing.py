@@ -6,10 +6,10 @@
     python3 scripts/suite_timing.py --quick ...     (one small test file: checks this script)
 
 Clones HEAD into a temporary directory (so nothing of the working tree but its commit counts),
-runs each command there with ``--durations=15`` and records its wall time, pytest's summary line
-and its slowest tests. Exits non-zero if a command fails. The suite runs with
-``TIERSTORE_REGENERATING=suite``: the suite's own committed timing, which this run replaces,
-is the one result allowed to be stale in it (tests/test_reproduce.py).
+runs each command there with ``--durations=15`` and records its wall time, pytest's summary line,
+its slowest tests and how many real SGLang servers it started (each start appends a line to the
+file ``TIERSTORE_SERVER_STARTS`` names: ``tests/cpu_harness/server.py``). Exits non-zero if a
+command fails.
 """
 
 from __future__ import annotations
@@ -34,14 +34,16 @@ LANES = {
     "full": "bash .ci/run",
     "fast": "bash scripts/setup.sh && python3 -m pytest -q --durations=15 -m 'not server' tests",
 }
-QUICK = {"quick": "python3 -m pytest -q --durations=15 tests/test_docs.py"}
+QUICK = {"quick": "python3 -m pytest -q -n 0 --durations=15 tests/test_docs.py"}
 SUMMARY = re.compile(r"^=* ?(\d+ passed.*?) ?=*$", re.M)
 DURATION = re.compile(r"^\s*\d+(?:\.\d+)?s (?:call|setup|teardown)\s+\S+", re.M)  # a line of --durations
 
 
 def run_lane(clone: Path, command: str) -> dict[str, Any]:
+    starts = clone.parent / f"server-starts-{time.monotonic_ns()}"
+    starts.touch()
     t0 = time.monotonic()
-    env = {**os.environ, "TIERSTORE_REGENERATING": "suite"}
+    env = {**os.environ, "TIERSTORE_SERVER_STARTS": str(starts)}
     out = subprocess.run(["bash", "-c", command], cwd=clone, env=env, capture_output=True, text=True, check=False)
     wall = time.monotonic() - t0
     text = out.stdout + out.stderr
@@ -50,7 +52,8 @@ def run_lane(clone: Path, command: str) -> dict[str, Any]:
     block = out.stdout.split("slowest 15 durations", 1)[1] if "slowest 15 durations" in out.stdout else ""
     slowest = [m.group(0).strip() for m in DURATION.finditer(block)]
     return {"command": command, "returncode": out.returncode, "wall_s": round(wall, 1),
-            "summary": found[-1].strip("= ") if found else None, "slowest": slowest, "tail": text[-2000:] if out.returncode else ""}
+            "summary": found[-1].strip("= ") if found else None, "slowest": slowest,
+            "server_starts": len(starts.read_text().splitlines()), "tail": text[-2000:] if out.returncode else ""}
 
 
 def main() -> int:
@@ -69,7 +72,8 @@ def main() -> int:
             lane = run_lane(clone, command)
             lanes[name] = lane
             mins, secs = divmod(int(lane["wall_s"]), 60)
-            print(f"\n{name}: {command}\n  {lane['summary']}; wall {mins}:{secs:02d} for the whole command")
+            print(f"\n{name}: {command}\n  {lane['summary']}; wall {mins}:{secs:02d} for the whole command; "
+                  f"{lane['server_starts']} SGLang server starts")
             for line in lane["slowest"]:
                 print(f"    {line}")
             if lane["returncode"]:
