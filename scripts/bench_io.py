@@ -110,12 +110,12 @@ from provenance import header, stamp  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import HiCacheFile, PoolName, PoolTransfer  # noqa: E402
 
 from sglang_tierstore import TierStoreBackend, inspect  # noqa: E402
-from sglang_tierstore import pagefile  # noqa: E402
+from sglang_tierstore import _native  # noqa: E402
 from sglang_tierstore import store as ts_store  # noqa: E402
 from sglang_tierstore.hostmem import ALIGN  # noqa: E402
 from sglang_tierstore.schema import entry_field  # noqa: E402
 
-REAL_PAGEIO = pagefile._pageio
+REAL_PAGEIO = _native.pageio
 if REAL_PAGEIO is None:
     raise SystemExit("bench_io: tierstore's C helper is not built (pip install -e .; it needs a C compiler)")
 
@@ -304,7 +304,7 @@ def tierstore_rounds(path: str, redis_url: str, pool: Any, threads: int, v2: boo
             out: list[Any] = []
             with contextlib.ExitStack() as patches:
                 if not checksum:
-                    patches.enter_context(mock.patch.object(pagefile, "_pageio", SimpleNamespace(transfer=unhashed)))
+                    patches.enter_context(mock.patch.object(_native, "pageio", SimpleNamespace(transfer=unhashed)))
                 if not coalesce:
                     # one page per I/O: runs and pieces of at most a page (larger pages stay cut at MAX_RUN_BYTES)
                     one_page = min(ts_store.MAX_RUN_BYTES, be.namespace().page_bytes)

@@ -33,7 +33,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from sglang_tierstore.config import TierStoreConfig, describe_target
 from sglang_tierstore.embedded import embedded_running, ensure_embedded_redis, redis_dir, stop_embedded_redis
-from sglang_tierstore.errors import EmbeddedNotStarted, StoreDetached, StoreUnavailable, TierStoreError
+from sglang_tierstore.errors import EmbeddedNotStarted, IndexRefusesUser, StoreDetached, StoreUnavailable, TierStoreError
 from sglang_tierstore import inspect
 from sglang_tierstore.hostmem import PagePlan, tensor_bytes
 from sglang_tierstore.io_engine import Gate
@@ -73,8 +73,8 @@ def _guarded(fallback: Callable[..., Any]) -> Callable[[F], F]:
             cpu = thread_cpu()
             try:
                 return fn(self, *args, **kwargs)
-            except StoreUnavailable as e:  # the index down, full or read-only; the disk full: ridden out
-                self.store.metrics.error(e.kind)
+            except (StoreUnavailable, IndexRefusesUser) as e:  # the index down, full, read-only or refusing this
+                self.store.metrics.error(e.kind)                # user; the disk full: ridden out
                 self.store.log.warning(e.kind, "%s: %s; answering misses", fn.__name__, e)
             except StoreDetached as e:
                 self.store.space.detach(e)
@@ -386,9 +386,13 @@ class TierStoreBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
             keys = list(t.keys or [])
             try:
                 out[str(t.name)] = op(self._pool(str(t.name)), keys, t.host_indices)
-            except (StoreUnavailable, StoreDetached):
+            except (StoreUnavailable, StoreDetached, IndexRefusesUser):  # the whole call's: _guarded's
                 raise
-            except Exception as e:  # one bad transfer does not sink the others
+            except (ValueError, LookupError) as e:  # a bad transfer from the caller fails alone, as in _guarded
+                self.store.metrics.error("bad_call")
+                self.store.log.warning(f"bad_call:{t.name}", "pool %s transfer failed: %s", t.name, e)
+                out[str(t.name)] = [False] * len(keys)
+            except Exception as e:  # a bug: one transfer's does not sink the others
                 self.store.metrics.error("internal")
                 self.store.log.exception(f"transfer:{t.name}", "pool %s transfer failed", t.name, exc=e)
                 out[str(t.name)] = [False] * len(keys)
@@ -434,12 +438,16 @@ class TierStoreBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
         logger.info("tierstore: cleared %d pages", n)
 
     def get_stats(self) -> Any:
+        """SGLang's ``StorageMetrics`` of the batches since the last call, or None where
+        there were none (SGLang, which calls this on every scheduler step while storage
+        metrics are on, reports an empty ``StorageMetrics`` for None itself)."""
         from sglang.srt.observability.metrics_collector import StorageMetrics
 
-        stats: dict[str, list[float]] = {}
+        if self._io_stats is None or not any(self._io_stats.values()):  # (read unlocked: a batch
+            return None  # recorded meanwhile is reported at the next call)
         with self._lock:
-            for k, samples in (self._io_stats or {}).items():
-                stats[k] = list(samples)
+            stats = {k: list(samples) for k, samples in self._io_stats.items()}
+            for samples in self._io_stats.values():
                 samples.clear()
         return StorageMetrics(**stats)
 

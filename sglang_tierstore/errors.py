@@ -45,6 +45,14 @@ class StoreDirsUnavailable(StoreUnavailable):
     kind = "disk_unavailable"
 
 
+class IndexRefusesUser(TierStoreError, PermissionError):
+    """The index refuses this user a command its ACL lacks (``sglang_tierstore.index.acl_rule``
+    lists what tierstore sends): a start-up that meets it stops, naming the rule; a call
+    answers misses and failed writes, counted under ``kind``, until an operator grants it."""
+
+    kind = "index_acl"
+
+
 class PageIOError(TierStoreError, OSError):
     """Reading or writing a page file failed."""
 

@@ -41,6 +41,7 @@ from typing import Any, Iterator, Optional
 from sglang_tierstore.config import Target, TierStoreConfig, describe_target
 from sglang_tierstore.embedded import ensure_embedded_redis, join_embedded_redis, socket_path
 from sglang_tierstore.errors import IndexUnavailable, NoStore, PageIOError, TierStoreError
+from sglang_tierstore.index import wait_loaded
 from sglang_tierstore.pagefile import FileRef, checksum
 from sglang_tierstore.schema import (
     DRAINING,
@@ -68,6 +69,7 @@ ZERO = b"\0" * FIELD_BYTES
 CHECK_SLOTS = 1024
 CHECK_BYTES = 1 << 20
 REREADS = 3  # a region that changes while read in parts is read again this often
+LOAD_WAIT_S = 60.0  # how long a tool that started the embedded index waits for it to load its AOF
 COUNTS = ("capacity_regions", "allocated_regions", "regions", "used_regions", "free_regions", "hole_regions",
           "punch_regions", "draining_regions", "leases", "files", "next_file", "pinned_regions")
 
@@ -144,11 +146,11 @@ def where(store: TierStore, ns: Namespace, key: str) -> Optional[tuple[str, int,
     if raw is None:
         return None
     e = unpack_entry(raw)
-    g = a.geometry
-    ref = a.files.ref(g.file_of(e.region))
+    file_no, offset = a.geometry.place(e.region, e.slot, ns.page_bytes)
+    ref = a.files.ref(file_no)
     if ref is None or ref.dir_id not in a.pages.dirs:
         return None
-    return a.pages.path(ref.number, ref.dir_id), g.slot_offset(e.region, e.slot, ns.page_bytes), e.region
+    return a.pages.path(ref.number, ref.dir_id), offset, e.region
 
 
 def index_facts(store: TierStore) -> dict[str, Any]:
@@ -209,7 +211,9 @@ def index_url(cfg: TierStoreConfig, start_redis: bool) -> tuple[Target, bool]:
         return cfg.index_target, False
     path = cfg.path[0]
     if start_redis:
-        return ensure_embedded_redis(path, modes(cfg.file_access), cfg.redis_server).url, True
+        url = ensure_embedded_redis(path, modes(cfg.file_access), cfg.redis_server).url
+        wait_loaded(url, LOAD_WAIT_S)  # what it holds, not LOADING
+        return url, True
     url = join_embedded_redis(path)
     if url is None:
         raise TierStoreError(f"the embedded Redis of {path} is not running (socket {socket_path(path)}); "
@@ -465,23 +469,23 @@ def _entry_problem(g: Geometry, f: bytes, value: bytes, rec: bytes, member: byte
 
 
 def _verify_page(store: TierStore, a: Attachment, shard: int, f: bytes, value: bytes, page_bytes: int) -> Optional[str]:
-    g = a.geometry
     e = unpack_entry(value)
-    ref = a.files.ref(g.file_of(e.region))
+    file_no, offset = a.geometry.place(e.region, e.slot, page_bytes)
+    ref = a.files.ref(file_no)
     if ref is not None and ref.dir_id not in a.pages.dirs:
         return None  # in a directory this process does not have: another process verifies it
     data = bytearray(page_bytes)
     try:
         if ref is None:
-            raise PageIOError(2, f"page file {g.file_of(e.region)} is not ready in the index")
-        a.pages.read(ref, g.slot_offset(e.region, e.slot, page_bytes), [memoryview(data)], page_bytes, False)
+            raise PageIOError(2, f"page file {file_no} is not ready in the index")
+        a.pages.read(ref, offset, [memoryview(data)], page_bytes, False)
     except PageIOError as err:
         why = f"unreadable: {err}"
     else:
         if checksum([memoryview(data)]) == e.checksum:
             return None
         why = "checksum mismatch"
-    again = store.index.call("snapshot_entries", a.shard_keys(shard), [g.store_id, CHECK_BYTES, f])[1]
+    again = store.index.call("snapshot_entries", a.shard_keys(shard), [a.geometry.store_id, CHECK_BYTES, f])[1]
     return why if again == value else None
 
 

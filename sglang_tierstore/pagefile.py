@@ -46,6 +46,7 @@ from typing import Iterator, Mapping, NamedTuple, Optional, Sequence, Union
 
 import xxhash
 
+from sglang_tierstore import _native  # the C helper, looked up on each use (tests take it away)
 from sglang_tierstore.errors import FileGone, PageIOError
 from sglang_tierstore.perms import PRIVATE, Modes, create_file
 from sglang_tierstore.schema import ALIGN, HEADER_BYTES
@@ -58,16 +59,11 @@ _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 _FILE_RE = re.compile(r"^f(\d{6,})\.pages$")
 
-
-try:
-    from sglang_tierstore import _pageio
-except ImportError:  # built without its C helper (no compiler at install): pages move from Python
-    _pageio = None
-
 READ, WRITE, HASH = 0, 1, 2  # what a Transfer does (the C helper's numbers)
 _SKIP = 3  # (the C helper's no-op: an op whose file could not be opened)
 _READ_ONLY = "these page files are open for reading only"
-assert _pageio is None or (_pageio.READ, _pageio.WRITE, _pageio.HASH, _pageio.SKIP) == (READ, WRITE, HASH, _SKIP)
+assert _native.pageio is None or (_native.pageio.READ, _native.pageio.WRITE, _native.pageio.HASH,
+                                  _native.pageio.SKIP) == (READ, WRITE, HASH, _SKIP)
 
 
 def checksum(regions: Sequence[memoryview]) -> int:
@@ -144,7 +140,13 @@ class _Open:
 class PageFiles:
     """Open page files of one store, positioned I/O of runs of slots."""
 
-    native = _pageio is not None  # transfer() through the C helper (a subclass that intercepts read and write sets False)
+    @property
+    def native(self) -> bool:
+        """Whether :meth:`transfer` runs through the C helper: it is built, and this class
+        moves bytes by :class:`PageFiles`' own :meth:`read` and :meth:`write` (a subclass that
+        intercepts them gets every run through them)."""
+        cls = type(self)
+        return _native.pageio is not None and cls.read is PageFiles.read and cls.write is PageFiles.write
 
     def __init__(self, identity: Mapping[str, object], dirs: Mapping[str, str], o_direct: bool,
                  modes: Modes = PRIVATE, read_only: bool = False, shared: Optional[bool] = False) -> None:
@@ -421,7 +423,8 @@ class PageFiles:
         stops once a ``stop`` flag (a bytearray's first byte) is set. With the C helper
         the whole claim runs in one release of the GIL (only opening a file not open yet
         takes Python); without it, op by op through :meth:`read` and :meth:`write`."""
-        if _pageio is None or not self.native:
+        helper = _native.pageio
+        if helper is None or not self.native:
             return self._transfer_each(ops, stop)
         held: dict[int, Union[_Open, PageIOError]] = {}  # each file the claim uses, opened once (or why not)
         failed: dict[int, PageIOError] = {}
@@ -450,7 +453,7 @@ class PageFiles:
                 lo, n = _cached_range(op.offset, op.nbytes) if op.kind == READ and self.shared and fd == h.fd else (0, 0)
                 paths[i] = h.path
                 calls.append((op.kind, fd, op.offset, op.bufs, op.spans, lo, n))
-            done = _pageio.transfer(calls, stop)
+            done = helper.transfer(calls, stop)
         finally:
             for h in held.values():
                 if isinstance(h, _Open):

@@ -20,6 +20,7 @@ from typing import Counter as CounterT
 
 import xxhash
 
+from sglang_tierstore import _native
 from sglang_tierstore.config import Target, TierStoreConfig
 from sglang_tierstore.errors import (
     ConfigError,
@@ -165,7 +166,7 @@ class TierStore:
         self.io = IOEngine(cfg.io_threads)
         self.metrics = metrics if metrics is not None else Metrics()
         self.log = RateLimitedLog(logger, cfg.log_interval_s)
-        if not PageFiles.native and not observe:
+        if _native.pageio is None and not observe:
             self.log.warning("no_c_helper", "tierstore runs without its C helper (sglang_tierstore._pageio: not built, "
                              "or xxhash's xxh3 functions not found): pages move from Python, taking the GIL from SGLang's "
                              "threads once per I/O and per page hashed (reinstall where a C compiler is found)")

@@ -26,8 +26,6 @@ def hooked(hooks: dict[str, Hook]) -> type[PageFiles]:
         return real(*args) if hook is None else hook(real, *args)
 
     class Hooked(PageFiles):
-        native = False  # every run through read() and write(), one at a time
-
         def read(self, *args: Any) -> None:
             through("read", super().read, *args)
 
@@ -46,11 +44,29 @@ def hooked(hooks: dict[str, Hook]) -> type[PageFiles]:
     return Hooked
 
 
+# Redis's socket timeout in the stores of tests and scripts, unless they set one (tests of
+# timeouts do): the production default, 0.5 s, fires when the suite's parallel processes keep
+# a loopback redis-server off the 2 cores that long, which is not what they test.
+REDIS_TIMEOUT_S = 5.0
+
+
 def engine(cfg: dict[str, Any], clock: Optional[Callable[[], float]] = None, **kw: Any) -> TierStore:
+    """A store of ``cfg`` (and ``kw``), with the suite's Redis timeout unless they set one."""
     page_files = kw.pop("page_files", PageFiles)
-    c = TierStoreConfig.from_dict({**cfg, **kw})
+    c = TierStoreConfig.from_dict({"redis_timeout_s": REDIS_TIMEOUT_S, **cfg, **kw})
     assert c.index_target is not None
     return TierStore(c, c.index_target, clock or time.time, page_files=page_files)
+
+
+def bury(store: TierStore) -> None:
+    """What the kernel does for a process killed with ``store`` open, after the test has used
+    its death: its page files, index connections and threads go, and it gives nothing back
+    (its leases stay in the index until they expire)."""
+    a = store.space.attached()
+    a.pages.close()
+    a.files.close()
+    store.index.close()
+    store.io.close()
 
 
 def housekeep(store: TierStore, audit: bool = True) -> None:

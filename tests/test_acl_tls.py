@@ -289,6 +289,7 @@ def test_a_command_denied_inside_a_script_fails_the_call_naming_the_acl_rule(
                      r"\(redis_prefix\)", caplog.text)
     assert USER_PW not in caplog.text
     assert [e["object"] for e in denied(admin_of(private_redis))] == ["hincrby"]
+    assert be.store.stats()["error_index_acl"] >= 1  # an operator's to fix, not a bug (no internal error)
 
 
 # -- TLS --------------------------------------------------------------------------------------

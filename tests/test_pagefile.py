@@ -17,7 +17,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_tierstore import pagefile
+from sglang_tierstore import _native
 from sglang_tierstore.errors import FileGone, PageIOError
 from sglang_tierstore.pagefile import HASH, READ, WRITE, FileRef, PageFiles, Transfer, checksums
 
@@ -114,11 +114,14 @@ def test_a_directory_is_identified_by_its_own_marker_on_the_filesystem_seen_at_s
 
 
 @pytest.fixture(params=["c", "python"])
-def both(request: pytest.FixtureRequest, files: PageFiles) -> PageFiles:
-    """The same page files, transfers run by the C helper or from Python run by run."""
+def both(request: pytest.FixtureRequest, files: PageFiles, monkeypatch: pytest.MonkeyPatch) -> PageFiles:
+    """The same page files, transfers run by the C helper or (as where it was not built)
+    from Python run by run."""
     if request.param == "c":
-        assert pagefile._pageio is not None, "the C helper is not built: `pip install -e .` (needs a C compiler)"
-    files.native = request.param == "c"
+        assert _native.pageio is not None, "the C helper is not built: `pip install -e .` (needs a C compiler)"
+    else:
+        monkeypatch.setattr(_native, "pageio", None)
+    assert files.native == (request.param == "c")
     return files
 
 
@@ -177,7 +180,6 @@ def test_page_files_open_for_reading_only_refuse_a_transfer_that_writes(tmp_path
     ref = FileRef(1, "d0", "1")
     both.create(ref)
     ro = PageFiles(IDENTITY, both.dirs, o_direct=False, read_only=True)
-    ro.native = both.native
     [refused, hashed] = ro.transfer([Transfer(WRITE, ref, 4096, [memoryview(bytes(4096))], 4096, False, []),
                                      Transfer(HASH, None, 0, [memoryview(bytes(4096))], 4096, False, [4096])])
     assert isinstance(refused, PageIOError) and refused.errno == errno.EROFS
@@ -194,12 +196,12 @@ def test_the_c_helpers_checksums_are_xxhashs_however_buffers_and_pages_are_cut(d
     """xxh3 has separate paths for inputs up to 16, 128, 240 bytes and beyond, and the C
     helper hashes a page from one buffer or streams it over several: every way agrees with
     the xxhash package (the checksums in the index were made by either)."""
-    assert pagefile._pageio is not None, "the C helper is not built: `pip install -e .` (needs a C compiler)"
+    assert _native.pageio is not None, "the C helper is not built: `pip install -e .` (needs a C compiler)"
     bounds = sorted({0, len(data), *(c % (len(data) + 1) for c in cuts)})
     bufs = [memoryview(data)[a:b] for a, b in zip(bounds, bounds[1:])]
     span_bounds = sorted({0, len(data), *(c % len(data) for c in span_cuts)} - {0}) if len(data) > 1 else [len(data)]
     spans = [b - a for a, b in zip([0, *span_bounds], span_bounds)]
-    [(err, moved, sums)] = pagefile._pageio.transfer([(HASH, -1, 0, bufs, spans, 0, 0)], [])
+    [(err, moved, sums)] = _native.pageio.transfer([(HASH, -1, 0, bufs, spans, 0, 0)], [])
     starts = [0, *span_bounds]
     assert (err, moved) == (0, 0)
     assert list(sums) == [xxhash.xxh3_64_intdigest(data[a:b]) for a, b in zip(starts, span_bounds)] == checksums(bufs, spans)
@@ -209,7 +211,7 @@ def test_the_c_helper_refuses_an_op_past_iov_max_alone_and_spans_past_its_bytes(
     """A read or write of more buffers than preadv/pwritev take fails as they would (EINVAL),
     that op only; hashing has no such limit; spans beyond the buffers are a ValueError
     before anything runs, however large the numbers."""
-    native = pagefile._pageio
+    native = _native.pageio
     assert native is not None, "the C helper is not built: `pip install -e .` (needs a C compiler)"
     many = [memoryview(bytearray(1)) for _ in range(1025)]
     got = native.transfer([(READ, 0, 0, many, [], 0, 0), (HASH, -1, 0, many, [1025], 0, 0)], [])

@@ -49,6 +49,7 @@ def test_v2_round_trip_side_pools(extra: dict[str, Any]) -> None:
         # a bad transfer (indices do not match keys) fails alone too
         bad = PoolTransfer(name=SWA, host_indices=torch.arange(3), keys=ks[:2])
         assert be.batch_set_v2([bad, transfer(MAMBA, [1], ks[:1])]) == {"swa": [False, False], "mamba": [True]}
+        assert be.store.stats()["error_bad_call"] == 2  # the caller's mistakes, not bugs (no internal error)
         assert be.check() == []
 
 

@@ -39,7 +39,8 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 import hiredis
 import redis
 
-from sglang_tierstore.errors import ConfigError, IndexRefusesWrites, IndexUnavailable, StoreDetached, TierStoreError
+from sglang_tierstore.errors import (ConfigError, IndexRefusesUser, IndexRefusesWrites, IndexUnavailable, StoreDetached,
+                                     TierStoreError)
 from sglang_tierstore.index.topology import (
     ClusterSeeds,
     Node,
@@ -51,14 +52,12 @@ from sglang_tierstore.index.topology import (
     open_topology,
     spread_suffixes,
 )
+from sglang_tierstore._native import pageio
 from sglang_tierstore.perms import TlsFiles
-
-try:
-    from sglang_tierstore import _pageio
-except ImportError:  # not built: every round trip lets the GIL go while it waits (see _exchange)
-    _pageio = None
-_held_exchange: Optional[Callable[[int, bytes, int], tuple[int, bytes]]] = getattr(_pageio, "exchange", None)
 from sglang_tierstore.schema import STALE, key_globs
+
+# a round trip holding the GIL (see _exchange); without the C helper every round trip lets it go
+_held_exchange: Optional[Callable[[int, bytes, int], tuple[int, bytes]]] = getattr(pageio, "exchange", None)
 
 __all__ = ["ACL_COMMANDS", "ClusterSeeds", "Library", "RedisIndex", "SentinelGroup", "Target", "acl_rule",
            "password_state", "shutdown_unprotected", "spread_suffixes"]
@@ -118,6 +117,25 @@ def password_state(url: str, password: str, timeout_s: float) -> str:
         return "refused"
     except (redis.ConnectionError, redis.TimeoutError, OSError):
         return "down"
+
+
+def wait_loaded(url: str, timeout_s: float) -> None:
+    """Until the server at ``url`` serves its data, ``timeout_s`` at most: a server that was
+    just started answers LOADING while it reads its AOF. For an operator's tool that started
+    the embedded index and reads it at once (a serving process does not wait: misses until then)."""
+    r = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=None)
+    deadline = mod_time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                r.exists("tierstore:loaded?")  # (PING is answered while loading; a key command is not)
+                return
+            except redis.BusyLoadingError:
+                if mod_time.monotonic() > deadline:
+                    return
+                mod_time.sleep(0.05)
+    finally:
+        r.close()
 
 
 def shutdown_unprotected(url: str, timeout_s: float) -> None:
@@ -186,10 +204,10 @@ _LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
 def _pack(commands: Sequence[Command]) -> list[bytes]:
-    """One node's pipelined request, in hiredis's packer: arguments are str, bytes, int or
-    float (redis-py's own packer checks and converts each one in Python, which on a write
-    cost more than the rest of the call). Anything else raises ``redis.DataError``, before
-    any request of the round trip is sent."""
+    """One node's pipelined request, in hiredis's packer: arguments are str, bytes, a
+    memoryview (its bytes), int or float (redis-py's own packer checks and converts each one
+    in Python, which on a write cost more than the rest of the call). Anything else (None, a
+    bool, a bytearray) raises ``redis.DataError``, before any request of the round trip is sent."""
     try:
         return [b"".join([hiredis.pack_command(tuple(c)) for c in commands])]
     except TypeError as e:
@@ -306,8 +324,8 @@ class RedisIndex:
             return IndexUnavailable(f"{self.name}: {o}")
         msg = str(o)
         if isinstance(o, redis.exceptions.NoPermissionError) or msg.startswith(_SCRIPT_DENIED):
-            return TierStoreError(f"redis refused this user ({msg}); it needs the ACL rules of "
-                                  "sglang_tierstore.index.acl_rule(redis_prefix)")
+            return IndexRefusesUser(f"redis refused this user ({msg}); it needs the ACL rules of "
+                                    "sglang_tierstore.index.acl_rule(redis_prefix)")
         if msg.startswith(STALE):
             return StoreDetached("the store is not in the index any more (dropped, or the index was lost)")
         if isinstance(o, redis.exceptions.OutOfMemoryError):  # reads go on: no breaker
@@ -540,7 +558,7 @@ def _held(conn: Any) -> bool:
     within ``HOLD_NS``, and the scheduler would lose the wait for nothing) whose replies
     hiredis parses (fed what it read)."""
     sock = getattr(conn, "_sock", None)
-    return (_held_exchange is not None and type(sock) is socket.socket
+    return (type(sock) is socket.socket
             and (sock.family == socket.AF_UNIX or getattr(conn, "host", None) in _LOOPBACK)
             and isinstance(getattr(getattr(conn, "_parser", None), "_reader", None), hiredis.Reader))
 
@@ -570,9 +588,9 @@ def _exchange(groups: Sequence[tuple[Node, Sequence[Sequence[Command]]]], hold: 
             conn = None
             try:
                 conn = pool.get_connection()
-                if hold and len(groups) == 1 and len(request[0]) <= HOLD_MAX_BYTES and _held(conn):
-                    assert _held_exchange is not None
-                    n, early = _held_exchange(conn._sock.fileno(), request[0], HOLD_NS)
+                exchange = _held_exchange if hold and len(groups) == 1 and len(request[0]) <= HOLD_MAX_BYTES else None
+                if exchange is not None and _held(conn):
+                    n, early = exchange(conn._sock.fileno(), request[0], HOLD_NS)
                     if n < len(request[0]):
                         conn._sock.sendall(memoryview(request[0])[n:])
                     elif early:

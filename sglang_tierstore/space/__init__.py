@@ -122,23 +122,19 @@ class Reservation:
         for s, idx in self.parts.items():
             slots.update(zip(idx, a.leases.take(s, pb, len(idx))))
         unreached = sum(len(self.parts[s]) for s in failed)  # counted as their shard's failure
-        g = a.geometry
-        regions = {sl.region for sl in slots.values()}
-        refs = a.files.refs({g.file_of(r) for r in regions})
-        step = g.slot_bytes(pb)
-        starts = {r: (refs[g.file_of(r)], g.slot_offset(r, 0, pb)) for r in regions if g.file_of(r) in refs}
-        for i, sl in slots.items():
-            where = starts.get(sl.region)
-            if where is not None:  # the rest (a file not ready any more): given up at commit
-                self.places.append(Place(i, where[0], where[1] + sl.slot * step))
+        at = dict(zip(slots, a.geometry.places([(sl.region, sl.slot) for sl in slots.values()], pb)))
+        refs = a.files.refs({f for f, _ in at.values()})
+        for i, (f, offset) in at.items():
+            if f in refs:  # the rest (a file not ready any more): given up at commit
+                self.places.append(Place(i, refs[f], offset))
         self.slots = slots
         self.outcomes["unreached"] += unreached
         self.outcomes["file_unready"] += len(slots) - len(self.places)
         full = len(self.fields) - len(slots) - unreached
         if full > 0:
-            self.outcomes["too_big" if pb > g.region_bytes else "full"] += full
+            self.outcomes["too_big" if pb > a.geometry.region_bytes else "full"] += full
             a.log.warning("full", "no slot for %d page(s) of %d bytes (every region pinned by writers, or pages larger "
-                          "than the store's %d-byte regions)", full, pb, g.region_bytes)
+                          "than the store's %d-byte regions)", full, pb, a.geometry.region_bytes)
 
     def commit(self, written: Iterable[int], tails: Mapping[int, bytes], sync: bool) -> dict[int, int]:
         """Publish the pages at these positions (their pwritevs returned), with their

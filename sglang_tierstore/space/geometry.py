@@ -86,15 +86,16 @@ class Geometry:
         return region // self.regions_per_file
 
     def region_offset(self, region: int) -> int:
-        """Byte offset of a region inside its file (after the header block)."""
-        return HEADER_BYTES + (region % self.regions_per_file) * self.region_bytes
+        """Byte offset of a region inside its file (after the header block): its first slot's."""
+        return self.place(region, 0, 0)[1]
 
-    def slot_offset(self, region: int, slot: int, page_bytes: int) -> int:
-        return self.region_offset(region) + slot * self.slot_bytes(page_bytes)
+    def place(self, region: int, slot: int, page_bytes: int) -> tuple[int, int]:
+        """(file, byte offset) of one slot."""
+        return self.places(((region, slot),), page_bytes)[0]
 
     def places(self, slots: Iterable[tuple[int, int]], page_bytes: int) -> list[tuple[int, int]]:
-        """(file, byte offset) of each (region, slot): :meth:`file_of` and
-        :meth:`slot_offset` of a batch in one call (a read's per-page loop)."""
+        """(file, byte offset) of each (region, slot) of a batch in one call (a read's
+        per-page loop): the one place a slot's position is worked out."""
         rpf, rb, sb = self.regions_per_file, self.region_bytes, self.slot_bytes(page_bytes)
         return [(r // rpf, HEADER_BYTES + r % rpf * rb + s * sb) for r, s in slots]
 
