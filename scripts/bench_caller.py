@@ -103,11 +103,11 @@ def fit(sizes: list[int], values: list[float]) -> tuple[float, float]:
 
 
 def gil_phase(probe_calls: Callable[[str, int], Callable[[], list[bool]]], sizes: list[int], fit_sizes: list[int],
-              reps: int) -> dict[str, Any]:
+              reps: int, idle_s: float = IDLE_S) -> dict[str, Any]:
     """The GIL other threads held while each call ran beside a :class:`GilProbe` (less an empty
     call's: the marks' own), fitted per call and per page like the CPU, and each call's wall
     time there (what a thread waiting for it, as a request waits for its prefetch probe,
-    waits with SGLang's scheduler busy in Python); then, over ``IDLE_S`` with nothing asked,
+    waits with SGLang's scheduler busy in Python); then, over ``idle_s`` with nothing asked,
     the GIL held and each tierstore thread's CPU per second."""
     probe = GilProbe()
     try:
@@ -137,20 +137,20 @@ def gil_phase(probe_calls: Callable[[str, int], Callable[[], list[bool]]], sizes
                    if t.name.startswith("tierstore") and t.ident]
         before = [time.clock_gettime_ns(c) for _, c in threads]
         a = probe.mark()
-        time.sleep(IDLE_S)
+        time.sleep(idle_s)
         b = probe.mark()
         cpu: dict[str, float] = {}
         for (name, c), t0 in zip(threads, before):
             with contextlib.suppress(OSError):  # a thread that ended meanwhile (a page file made) has no clock
-                cpu[name] = cpu.get(name, 0.0) + (time.clock_gettime_ns(c) - t0) / 1e3 / IDLE_S
+                cpu[name] = cpu.get(name, 0.0) + (time.clock_gettime_ns(c) - t0) / 1e3 / idle_s
         return {"empty_us": empty, "medians": medians, "fits": fits,
                 "walls": {op: {str(n): statistics.median(walls[op][n]) for n in sizes} for op in OPS},
-                "idle_us_per_s": probe.held_us(a, b) / IDLE_S, "idle_cpu_us_per_s": cpu}
+                "idle_us_per_s": probe.held_us(a, b) / idle_s, "idle_cpu_us_per_s": cpu}
     finally:
         probe.close()
 
 
-def worker(sizes: list[int], reps: int, warmup: int, seed: int, gil_reps: int) -> dict[str, Any]:
+def worker(sizes: list[int], reps: int, warmup: int, seed: int, gil_reps: int, idle_s: float = IDLE_S) -> dict[str, Any]:
     """One run in this process, on the engine ``PYTHONPATH`` names."""
     sys.path[:0] = [os.path.join(ROOT, "tests")]
     import hashlib
@@ -223,7 +223,7 @@ def worker(sizes: list[int], reps: int, warmup: int, seed: int, gil_reps: int) -
                     for op in OPS}
             return {"engine": os.path.dirname(os.path.abspath(sglang_tierstore.__file__)), "medians": medians,
                     "fits": fits, "fit_sizes": shared, "page_bytes": page_bytes,
-                    "gil": gil_phase(call, sizes, shared, gil_reps), "errors": {
+                    "gil": gil_phase(call, sizes, shared, gil_reps, idle_s), "errors": {
                         k: v for k, v in be.store.stats().items() if k.startswith("error_")}}
         finally:
             be.close()
@@ -235,7 +235,7 @@ def worker(sizes: list[int], reps: int, warmup: int, seed: int, gil_reps: int) -
 
 def run_worker(tree: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--sizes", args.sizes, "--reps", str(args.reps),
-           "--gil-reps", str(args.gil_reps), "--warmup", str(args.warmup), "--seed", str(seed)]
+           "--gil-reps", str(args.gil_reps), "--warmup", str(args.warmup), "--seed", str(seed), "--idle-s", str(args.idle_s)]
     out = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": tree}, capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"worker on {tree} failed:\n{out.stderr[-4000:]}")
@@ -332,18 +332,19 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=40, help="calls per size and op in each run")
     ap.add_argument("--gil-reps", type=int, default=10, help="calls per size and op beside the GIL probe in each run")
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--quick", action="store_true", help="smoke run: this checkout only, 1 run, 2 sizes, 3 calls")
+    ap.add_argument("--idle-s", type=float, default=IDLE_S, help="seconds the GIL phase watches the engine idle")
+    ap.add_argument("--quick", action="store_true", help="smoke run: this checkout only, 1 run, 3 sizes, 3 calls, 0.5 s idle")
     ap.add_argument("--out")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=1, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.quick:
-        a.base, a.runs, a.sizes, a.reps, a.gil_reps, a.warmup = None, 1, "1,16,32", 3, 2, 1
+        a.base, a.runs, a.sizes, a.reps, a.gil_reps, a.warmup, a.idle_s = None, 1, "1,16,32", 3, 2, 1, 0.5
     sizes = sorted({int(x) for x in a.sizes.split(",")})
     if len(sizes) < 2 or sizes[0] < 1 or sizes[-1] > 128:
         ap.error(f"--sizes needs at least two batch sizes of 1 to 128 pages, got {a.sizes!r}")
     if a.worker:
-        print(json.dumps(worker(sizes, a.reps, a.warmup, a.seed, a.gil_reps)))
+        print(json.dumps(worker(sizes, a.reps, a.warmup, a.seed, a.gil_reps, a.idle_s)))
         return 0
     base_dir = tempfile.mkdtemp(prefix="bench-caller-base-", dir="/var/tmp") if a.base else None
     trees = {"new": ROOT}

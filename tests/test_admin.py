@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,16 +27,16 @@ import psutil
 import pytest
 import redis
 import requests
-from conftest import RedisProc, free_port, keys
-from cpu_harness import tiny_model
-from cpu_harness.server import Server, cpu_args, tierstore_config
+from conftest import RedisProc, keys
+from cpu_harness.server import Server, conversation, tierstore_config
 from pools import fill, mha_pool, page_bytes, page_indices, storage_config
+from sglang_servers import GROUP, chat, reference, stored_pages, wait_for_backup
 from stallfs import StalledDisk
-from test_e2e_server import chat, wait_for_backup
 from test_stall import disk  # noqa: F401  (the fixture)
 
 from sglang_tierstore import adapter
 from sglang_tierstore.adapter import TierStoreBackend
+from sglang_tierstore.embedded import pid_file
 
 ATTACH = "/hicache/storage-backend"
 N = 8  # pages written, then read back
@@ -81,12 +83,6 @@ def other_clients(r: redis.Redis) -> int:
 # -- the real server --------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/sglang-tierstore/torch_extensions"))
-    return tiny_model.build(str(tmp_path_factory.mktemp("model")))
-
-
 def scheduler_pid(s: Server) -> int:
     for p in psutil.Process(s.proc.pid).children(recursive=True):
         if p.cmdline()[:1] == ["sglang::scheduler"]:
@@ -103,62 +99,78 @@ def attach(s: Server, extra_config: str) -> None:
         "hicache_storage_prefetch_policy": "wait_complete", "hicache_write_policy": "write_through_selective"}
 
 
-def hits_from_storage(s: Server, cfg: dict[str, Any]) -> list[str]:
+def detach(s: Server, timeout: float = 60) -> requests.Response:
+    """``DELETE`` the backend: SGLang refuses while its scheduler is not idle (a write-through
+    in flight), so the refusal is retried."""
+    deadline = time.monotonic() + timeout
+    while True:
+        r = s.admin("DELETE", ATTACH)
+        if r.status_code == 200 or "not idle" not in r.text or time.monotonic() > deadline:
+            return r
+        time.sleep(0.5)
+
+
+def hits_from_storage(s: Server, cfg: dict[str, Any], prompts: list[str]) -> list[str]:
     """The e2e flow: a multi-turn chat twice (write_through_selective backs the pages up
     on the second hit), L1 and L2 flushed, then the first prompt comes from L3. Flushed
     first: SGLang backs up to L3 only what it writes to host memory from now on."""
     s.flush()
-    first, _ = chat(s)
-    second, _ = chat(s)
+    first, _ = chat(s, prompts)
+    second, _ = chat(s, prompts)
     wait_for_backup(cfg)
     s.flush()
-    third, tiers = chat(s)
+    third, tiers = chat(s, prompts)
     assert tiers[0].get("storage", 0) > 0, tiers
     assert first == second == third
     return first
 
 
-def stored_pages(r: redis.Redis, cfg: dict[str, Any]) -> int:
-    return sum(r.hlen(k) for k in r.scan_iter(match="{" + cfg["redis_prefix"] + ":*}:entries"))
-
-
 @pytest.mark.server
+@GROUP
 def test_attach_serve_clear_detach_and_attach_another_store_at_runtime(
-        model: str, tmp_path: Path, private_redis: RedisProc) -> None:
+        plain_server: Server, tmp_path: Path, private_redis: RedisProc) -> None:
+    """On the shared server without L3 (left detached again): a store on a Redis of its own,
+    then one on the embedded default index, given as @file."""
+    s = plain_server
+    prompts = conversation(3, salt="admin ")
+    answers = reference(s, prompts)
     r = redis.Redis.from_url(private_redis.url)
     store_a = tierstore_config(redis_url=private_redis.url, redis_prefix="admin-a", path=str(tmp_path / "a"), capacity_gb=0.25)
-    store_b = tierstore_config(redis_url=private_redis.url, redis_prefix="admin-b", path=str(tmp_path / "b"), capacity_gb=0.25)
+    store_b = tierstore_config(path=str(tmp_path / "b"), capacity_gb=0.25)
     (tmp_path / "b.json").write_text(json.dumps(store_b))
-    with Server(model, free_port(), str(tmp_path / "server.log"), cpu_args(hicache=True), admin_key=uuid.uuid4().hex) as s:
-        s.wait_ready()
-        sched = scheduler_pid(s)
-        assert s.admin("GET", ATTACH).json()["hicache_storage_backend"] is None
-        assert requests.put(s.url + ATTACH, json={"hicache_storage_backend": "dynamic"}, timeout=60).status_code == 401
-
+    sched = scheduler_pid(s)
+    assert s.admin("GET", ATTACH).json()["hicache_storage_backend"] is None
+    assert requests.put(s.url + ATTACH, json={"hicache_storage_backend": "dynamic"}, timeout=60).status_code == 401
+    try:
         attach(s, json.dumps(store_a))
         assert "tierstore-hk" in tierstore_threads(sched) and other_clients(r) > 0
-        answers = hits_from_storage(s, store_a)
+        assert hits_from_storage(s, store_a, prompts) == answers
         assert open_files_under(sched, store_a["path"])
 
         assert s.admin("POST", ATTACH + "/clear").status_code == 200
-        assert stored_pages(r, store_a) == 0
+        assert stored_pages(store_a) == 0
         s.flush()
-        outs, tiers = chat(s)
+        outs, tiers = chat(s, prompts)
         assert all(t.get("storage", 0) == 0 for t in tiers), tiers
         assert outs == answers
 
-        detached = s.admin("DELETE", ATTACH)
+        detached = detach(s)
         assert detached.status_code == 200 and detached.text.startswith("HiCache storage backend detached."), detached.text
         assert s.admin("GET", ATTACH).json()["hicache_storage_backend"] is None
         assert tierstore_threads(sched) == []
         assert open_files_under(sched, store_a["path"]) == []
         assert other_clients(r) == 0
-        assert chat(s)[0] == answers  # served without L3
+        assert chat(s, prompts)[0] == answers  # served without L3
 
         attach(s, "@" + str(tmp_path / "b.json"))
-        assert hits_from_storage(s, store_b) == answers
+        assert hits_from_storage(s, store_b, prompts) == answers
         assert open_files_under(sched, store_a["path"]) == []
         assert open_files_under(sched, store_b["path"])
+    finally:
+        if s.admin("GET", ATTACH).json()["hicache_storage_backend"] is not None:
+            assert detach(s).status_code == 200  # the shared server, as the other tests know it
+        if os.path.exists(pid_file(store_b["path"])):  # the embedded index store B's backend started
+            os.kill(int(Path(pid_file(store_b["path"])).read_text()), signal.SIGTERM)
 
 
 # -- closing under work that cannot finish ------------------------------------------------
@@ -176,8 +188,16 @@ class Stalled:
         """tierstore threads started since the backend was made, still alive."""
         return [t for t in threading.enumerate() if t.name.startswith("tierstore") and t not in self.threads_before]
 
-    def released(self) -> bool:
-        return not self.new_threads() and not open_files_under(os.getpid(), self.path) and other_clients(self.redis) == 0
+    def released(self, within_s: float = 10.0) -> bool:
+        """Its threads gone, its files and index connections closed, within ``within_s``
+        (a thread that was told to stop may still be on its way out on a loaded machine)."""
+        deadline = time.monotonic() + within_s
+        while True:
+            if not self.new_threads() and not open_files_under(os.getpid(), self.path) and other_clients(self.redis) == 0:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
 
 
 @pytest.fixture

@@ -516,3 +516,35 @@ def test_a_group_member_runs_the_read_only_commands_and_creates_nothing(shared_b
         assert _tree(store) == before
     finally:
         run_as(NOBODY, NOBODY, stop_embedded_redis, str(store))
+
+
+def test_a_tool_reads_the_index_it_started_once_it_has_loaded(tmp_path: Path) -> None:
+    """A restarted Redis answers LOADING while it reads its data (here an RDB file, slowed to
+    1 ms a key and answering between every KiB): what ``--start-redis`` waits for
+    (``index.wait_loaded``) before a tool reads it."""
+    import redis
+
+    from conftest import RedisProc
+    from sglang_tierstore.index import wait_loaded
+
+    proc = RedisProc(tmp_path / "r", args=("--key-load-delay", "1000", "--loading-process-events-interval-bytes", "1024"))
+    try:
+        r = redis.Redis.from_url(proc.url, retry=None)
+        r.mset({f"k{i}": i for i in range(2000)})
+        r.save()
+        proc.kill()
+        proc.proc = subprocess.Popen(proc.command(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 20
+        while True:  # listening, and still loading
+            try:
+                r.dbsize()
+                raise AssertionError("loaded before it could be seen loading")
+            except redis.BusyLoadingError:
+                break
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+        wait_loaded(proc.url, 30)
+        assert r.dbsize() == 2000
+    finally:
+        proc.stop()

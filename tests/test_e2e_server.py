@@ -1,154 +1,115 @@
 """The real `sglang.launch_server` on CPU with the tiny model, tierstore as its L3.
 
-Each server takes 30-60 s to start on 2 cores, so the module starts as few as the
-claims allow: server A, whose first chat (nothing in L2 or L3 yet) is the reference the
-others' outputs must equal; server B, started beside A on the same store, whose first
-request (a fresh process's) is served from storage; one under fault injection; and one
-with two TP ranks and --enable-metrics.
+The chat, the README's main job (``scripts/demo_cpu.py``'s scenario) and the GPU check's CPU
+mode (``scripts/e2e_gpu.py``'s) run on the servers the server lane shares
+(``sglang_servers.py``: the reference server without L3, and two tierstore servers on one
+store); two scenarios start a server of their own, because what they test is fixed when a
+server starts: SGLang's fault injector, and two TP ranks with ``--enable-metrics``.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import dashboard
 import pytest
-import redis
 import requests
 from conftest import RedisProc, free_port
-from cpu_harness import tiny_model
 from cpu_harness.server import Server, conversation, cpu_args, tierstore_config, tp_env
 from prometheus_client.parser import text_string_to_metric_families
+from sglang_servers import GROUP, Pair, chat, reference, wait_for_backup
 
-pytestmark = pytest.mark.server
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+import demo_cpu  # noqa: E402
+import e2e_gpu  # noqa: E402
 
-PROMPTS = conversation(3)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _extensions_cache() -> None:
-    # SGLang's page-hash C++ extension compiles on first use (~20 s): once per machine.
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/sglang-tierstore/torch_extensions"))
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return tiny_model.build(str(tmp_path_factory.mktemp("model")))
-
-
-@pytest.fixture(scope="module")
-def logdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("server-logs")
-
-
-@pytest.fixture(scope="module")
-def store_cfg(tmp_path_factory: pytest.TempPathFactory, redis_proc: RedisProc) -> dict[str, Any]:
-    return tierstore_config(
-        redis_url=redis_proc.url, redis_prefix="e2e-" + uuid.uuid4().hex[:8],
-        path=str(tmp_path_factory.mktemp("e2e-store")), capacity_gb=0.5,
-    )
-
-
-@dataclass
-class First:
-    """Server A, running, and the outputs of its first chat."""
-
-    server: Server
-    outputs: list[str]
-
-
-@pytest.fixture(scope="module")
-def server_a(model: str, logdir: Path, store_cfg: dict[str, Any]) -> Iterator[First]:
-    """Server A after its first chat: greedy outputs computed with nothing in L2 or L3
-    (turns after the first reuse the device cache), the reference every later output of
-    every server must equal. The test that uses A stops it when done."""
-    with Server(model, free_port(), str(logdir / "a.log"), cpu_args(store_cfg)) as a:
-        a.wait_ready()
-        outputs, tiers = chat(a)
-        assert all(t.get("host", 0) == 0 and t.get("storage", 0) == 0 for t in tiers), tiers
-        yield First(a, outputs)
-
-
-@pytest.fixture(scope="module")
-def reference(server_a: First) -> list[str]:
-    return server_a.outputs
-
-
-def chat(s: Server) -> tuple[list[str], list[dict[str, int]]]:
-    outs, tiers = [], []
-    for p in PROMPTS:
-        text, meta = s.generate(p)
-        outs.append(text)
-        tiers.append(meta.get("cached_tokens_details") or {})
-    return outs, tiers
-
-
-def wait_for_backup(cfg: dict[str, Any], timeout: float = 30) -> int:
-    """Write-through to L3 is asynchronous: wait until the stored page count settles."""
-    r = redis.Redis.from_url(cfg["redis_url"])
-    pattern = "{" + cfg.get("redis_prefix", "tierstore") + ":*}:entries"  # every shard's entry hash
-    last, stable_since, deadline = -1, time.monotonic(), time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        n = sum(r.hlen(k) for k in r.scan_iter(match=pattern, count=1000))
-        if n != last:
-            last, stable_since = n, time.monotonic()
-        elif n > 0 and time.monotonic() - stable_since > 1.0:
-            return n
-        time.sleep(0.2)
-    raise TimeoutError(f"L3 page count did not settle (last {last})")
+pytestmark = [pytest.mark.server, GROUP]
 
 
 def test_multi_turn_chat_hits_storage_after_flush_and_a_second_server_shares_it(
-    model: str, logdir: Path, server_a: First, store_cfg: dict[str, Any]
-) -> None:
-    a, reference = server_a.server, server_a.outputs
-    second, tiers = chat(a)  # second hit: write_through_selective backs these up
-    assert all(t.get("device", 0) > 0 for t in tiers)
-    wait_for_backup(store_cfg)
+        plain_server: Server, tierstore_pair: Pair) -> None:
+    prompts = conversation(3, salt="chat ")
+    expected = reference(plain_server, prompts)
+    a = tierstore_pair["a"]
     a.flush()
-    third, tiers = chat(a)
+    first, tiers = chat(a, prompts)  # nothing of this chat anywhere yet: computed
+    assert all(t.get("host", 0) == 0 and t.get("storage", 0) == 0 for t in tiers), tiers
+    second, tiers = chat(a, prompts)
+    assert all(t.get("device", 0) > 0 for t in tiers)
+    wait_for_backup(tierstore_pair.cfg)
+    a.flush()
+    third, tiers = chat(a, prompts)
     # every turn reads from storage what the flush took: the first its whole prefix, the
     # later ones their new part beyond what the turn before brought back to the device
     assert all(t.get("storage", 0) > 0 for t in tiers), tiers
-    assert second == third == reference
-    # server B, a fresh process beside A on the same Redis and path, starts with nothing cached
-    with Server(model, free_port(), str(logdir / "b.log"), cpu_args(store_cfg)) as b:
-        b.wait_ready()
-        text, meta = b.generate(PROMPTS[-1])
-        assert meta["cached_tokens_details"].get("storage", 0) > 0, meta
-        assert meta["cached_tokens_details"].get("device", 0) == 0
-        assert text == reference[-1]
-    a.stop()
+    assert first == second == third == expected
+    # server B, a process beside A on the same index and directory, has nothing of it cached
+    text, meta = tierstore_pair["b"].generate(prompts[-1])
+    assert meta["cached_tokens_details"].get("storage", 0) > 0, meta
+    assert meta["cached_tokens_details"].get("device", 0) == 0
+    assert text == expected[-1]
+
+
+def test_the_readmes_main_job_shows_storage_hits_with_outputs_equal_to_the_reference(
+        plain_server: Server, tierstore_pair: Pair, capsys: pytest.CaptureFixture[str]) -> None:
+    """``scripts/demo_cpu.py``'s three steps, each on the shared server it starts its own of:
+    the reference without L3, the chat on tierstore with a flush, and a server new to the
+    chat on the same store."""
+    prompts = conversation(3, salt="demo ")
+    plain_server.flush()
+    expected = demo_cpu.reference_phase(plain_server, prompts)
+    tierstore_pair["a"].flush()
+    passes = demo_cpu.l3_phase(tierstore_pair["a"], prompts)
+    hits = demo_cpu.restart_phase(tierstore_pair["b"], prompts)
+    assert demo_cpu.verdict(expected, passes, hits)
+    out = capsys.readouterr().out
+    assert "greedy outputs identical to the reference: True" in out and "OK: L3 turned the misses into hits" in out
+    after_flush = [line for line in out.splitlines() if line.lstrip().startswith("after flush")]
+    assert len(after_flush) == 3 and all(" storage    0)" not in line for line in after_flush), out
+
+
+def test_the_gpu_check_in_its_cpu_mode_reads_prefixes_back_from_storage(
+        plain_server: Server, tierstore_pair: Pair, model: str) -> None:
+    """``scripts/e2e_gpu.py --cpu``'s comparison: the same token prompts with L3 off (HiCache
+    alone) and on, flushed before each timed pass."""
+    prompts = e2e_gpu.token_prompts(model, 2, 256)
+    report: dict[str, Any] = {"model": model, "prompts": 2, "prompt_tokens": 256, "cpu": True,
+                              "l3_off": e2e_gpu.measure(plain_server, prompts, with_l3=False),
+                              "l3_on": e2e_gpu.measure(tierstore_pair["a"], prompts, with_l3=True)}
+    assert e2e_gpu.conclude(report)
+    assert report["outputs_identical"] and report["l3_on"]["cached_tokens"]["storage"] > 0
+    assert report["l3_off"]["cached_tokens"]["storage"] == 0
 
 
 def test_fault_injection_and_redis_outage_keep_outputs_identical(
-    model: str, logdir: Path, reference: list[str], tmp_path: Path
-) -> None:
+        model: str, server_logs: Path, plain_server: Server, tmp_path: Path) -> None:
+    prompts = conversation(3, salt="faults ")
+    expected = reference(plain_server, prompts)
     redis_proc = RedisProc(tmp_path / "redis", appendonly=True)  # a restarted Redis keeps the index, as deployed
     cfg = tierstore_config(redis_url=redis_proc.url, path=str(tmp_path / "store"), capacity_gb=0.5,
                            redis_timeout_s=0.3, redis_retry_s=0.5)
     env = {"SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE": "0.2"}
     try:
-        with Server(model, free_port(), str(logdir / "faults.log"), cpu_args(cfg), env=env) as s:
+        with Server(model, free_port(), str(server_logs / "faults.log"), cpu_args(cfg), env=env) as s:
             s.wait_ready()
             for _ in range(2):
-                assert chat(s)[0] == reference
+                assert chat(s, prompts)[0] == expected
             wait_for_backup(cfg)
             redis_proc.kill()
             s.flush()
-            outs, tiers = chat(s)  # L3 unreachable: recomputed, same answers
-            assert outs == reference
+            outs, tiers = chat(s, prompts)  # L3 unreachable: recomputed, same answers
+            assert outs == expected
             assert all(t.get("storage", 0) == 0 for t in tiers)
             redis_proc.start()
             for _ in range(2):
-                assert chat(s)[0] == reference
+                assert chat(s, prompts)[0] == expected
             s.flush()
-            assert chat(s)[0] == reference
+            assert chat(s, prompts)[0] == expected
             assert s.proc.poll() is None
             log = open(s.log_path, errors="replace").read()
             assert "redis unavailable" in log  # the outage was seen, logged, and survived
@@ -172,20 +133,21 @@ def scrape(s: Server) -> tuple[Scrape, dict[tuple[str, frozenset[tuple[str, str]
 
 
 def test_two_tp_ranks_report_tierstore_and_storage_metrics_in_the_servers_metrics(
-    model: str, logdir: Path, redis_proc: RedisProc, tmp_path: Path
+    model: str, server_logs: Path, redis_proc: RedisProc, tmp_path: Path
 ) -> None:
     """SGLang's /metrics runs in multiprocess mode: each TP rank's scheduler writes its own
     tierstore series, labelled by rank, and its get_stats() feeds SGLang's storage histograms."""
+    prompts = conversation(3, salt="tp2 ")
     cfg = tierstore_config(redis_url=redis_proc.url, redis_prefix="tp2-" + uuid.uuid4().hex[:8],
                            path=str(tmp_path / "store"), capacity_gb=0.5)
     args = [*cpu_args(cfg), "--tp", "2", "--enable-metrics"]
-    with Server(model, free_port(), str(logdir / "tp2-metrics.log"), args, env=tp_env(2)) as s:
+    with Server(model, free_port(), str(server_logs / "tp2-metrics.log"), args, env=tp_env(2)) as s:
         s.wait_ready()
-        chat(s)
-        chat(s)  # second hit: backed up
+        chat(s, prompts)
+        chat(s, prompts)  # second hit: backed up
         wait_for_backup(cfg)
         s.flush()
-        assert chat(s)[1][0].get("storage", 0) > 0
+        assert chat(s, prompts)[1][0].get("storage", 0) > 0
         # SGLang hands get_stats() to its collector on each scheduler step: wait until it did
         deadline = time.monotonic() + 30
         while True:

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -120,7 +122,14 @@ def test_an_hmget_reads_through_the_held_exchange_what_the_server_holds(tmp_path
         conn._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # the next call's connection
         pool.release(conn)
         some = fields[:3000] + [b"nothing"] * 500  # a request of about 60 KB
-        assert idx.hmget([(key, some)]) == [[values.get(f) for f in some]]
+        assert server.proc is not None
+        server.proc.send_signal(signal.SIGSTOP)  # reading nothing until the send has filled the buffer
+        resume = threading.Timer(0.3, server.proc.send_signal, (signal.SIGCONT,))
+        resume.start()
+        try:
+            assert idx.hmget([(key, some)]) == [[values.get(f) for f in some]]
+        finally:
+            resume.join()
         assert len(calls) == 2 and calls[0][0] == calls[0][1] and calls[1][1] < calls[1][0] <= index_mod.HOLD_MAX_BYTES
         many = fields + [b"nothing"] * 20_000  # about 1.4 MB
         assert idx.hmget([(key, many)]) == [[values.get(f) for f in many]]

@@ -14,7 +14,7 @@ import pytest
 import redis
 import torch
 from conftest import RedisProc, flip_byte
-from engine_kit import Hook, engine, hooked, housekeep, pages, read, views
+from engine_kit import Hook, bury, engine, hooked, housekeep, pages, read, views
 from pools import fill, keys, mha_pool, mla_pool, page_bytes, page_indices, storage_config
 
 from sglang_tierstore import TierStoreBackend, inspect
@@ -160,8 +160,7 @@ def test_uncommitted_write_is_invisible_and_its_slots_reclaimed(cfg: dict[str, A
         assert inspect.check(st) == []
     finally:
         st.close()
-        dying.io.close()
-        dying.space.attached().pages.close()
+        bury(dying)
 
 
 def _region_of(raw: bytes) -> int:

@@ -1,6 +1,6 @@
 """scripts/multiturn_loadtest.py: end to end against the real CPU server, and its pieces.
 
-One server (tiny model, tierstore as L3) takes two short runs: users who think for a
+One server (tiny model, tierstore as L3: ``sglang_servers.py``'s) takes two short runs: users who think for a
 couple of seconds while the load test flushes L1 and L2 every second, so every returning
 turn finds its prefix only in storage; then ``--compare`` over both runs. The pieces
 (workload from a seed, metrics parsing, buckets, the tier-skipping share) run without a
@@ -11,18 +11,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
-from conftest import RedisProc, free_port
-from cpu_harness import tiny_model
-from cpu_harness.server import Server, cpu_args, tierstore_config
+from sglang_servers import GROUP, Pair
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "multiturn_loadtest.py"
@@ -45,11 +41,6 @@ def _load(name: str, path: Path) -> ModuleType:
 lt = _load("multiturn_loadtest", SCRIPT)
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return tiny_model.build(str(tmp_path_factory.mktemp("model")))
-
-
 def loadtest(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600, check=False)
 
@@ -63,17 +54,14 @@ WORKLOAD = [
 
 
 @pytest.mark.server
-def test_end_to_end_against_the_cpu_server(model: str, tmp_path: Path, redis_proc: RedisProc) -> None:
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/sglang-tierstore/torch_extensions"))
-    cfg = tierstore_config(redis_url=redis_proc.url, redis_prefix="lt-" + uuid.uuid4().hex[:8],
-                           path=str(tmp_path / "store"), capacity_gb=0.25)
+@GROUP
+def test_end_to_end_against_the_cpu_server(model: str, tmp_path: Path, tierstore_pair: Pair) -> None:
+    """On a shared tierstore server (writing through, so every page reaches L3 after its first
+    use, with --enable-metrics), whose L1 and L2 the load test itself flushes between turns."""
     out = tmp_path / "out"
-    # write_through: every page reaches L3 after its first use (selective would wait for a second hit)
-    flags = ["write_through" if f == "write_through_selective" else f for f in cpu_args(cfg)] + ["--enable-metrics"]
-    with Server(model, free_port(), str(tmp_path / "server.log"), flags) as s:
-        s.wait_ready()
-        runs = [loadtest("--base-url", s.url, "--model-path", model, "--output-dir", str(out), "--tag", tag,
-                         "--seed", "7", *WORKLOAD) for tag in ("first", "second")]
+    s = tierstore_pair["a"]
+    runs = [loadtest("--base-url", s.url, "--model-path", model, "--output-dir", str(out), "--tag", tag,
+                     "--seed", "7", *WORKLOAD) for tag in ("first", "second")]
     for r in runs:
         assert r.returncode == 0, r.stderr[-3000:]
         assert "returning turns" in r.stdout and "storage" in r.stdout  # the printed table

@@ -40,14 +40,9 @@ def test_each_rank_keeps_its_own_series_in_one_multiprocess_dir(extra: dict[str,
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(prom),
            "PYTHONPATH": HERE + os.pathsep + os.environ.get("PYTHONPATH", "")}
     pages = {0: 3, 1: 5}  # different per rank: a sum over ranks would show
-    children = [subprocess.Popen([sys.executable, os.path.join(HERE, "proc_rank.py"), json.dumps(extra), str(r), str(n)], env=env)
-                for r, n in pages.items()]
-    try:
-        assert [c.wait(timeout=240) for c in children] == [0, 0]
-    finally:
-        for c in children:
-            if c.poll() is None:
-                c.kill()
+    ranks = subprocess.run([sys.executable, os.path.join(HERE, "proc_rank.py"), json.dumps(extra),
+                            *(f"{r}:{n}" for r, n in pages.items())], env=env, timeout=240, check=False)
+    assert ranks.returncode == 0
     registry = CollectorRegistry()
     MultiProcessCollector(registry, path=str(prom))  # what SGLang's /metrics does
     page_bytes = mha_pool("page_first").get_dummy_flat_data_page().nbytes
@@ -107,9 +102,9 @@ def test_each_call_counts_the_cpu_it_took_on_the_calling_thread(extra: dict[str,
         assert st["calls_batch_set_v1"] == 2 and 0 < st.get("cpu_us_batch_set_v1_user", 0) + st.get("cpu_us_batch_set_v1_system", 0)
         spun: list[float] = []
 
-        def spin() -> None:
+        def spin() -> None:  # until it has burnt 0.3 s of CPU itself (however busy the machine), 30 s at most
             c0, t0 = sum(thread_cpu()), time.monotonic()
-            while time.monotonic() - t0 < 0.5:
+            while sum(thread_cpu()) - c0 < 0.3 and time.monotonic() - t0 < 30:
                 pass
             spun.append(sum(thread_cpu()) - c0)
 
@@ -127,7 +122,7 @@ def test_each_call_counts_the_cpu_it_took_on_the_calling_thread(extra: dict[str,
         after = be.store.stats()
         took = sum(after.get(f"cpu_us_batch_set_v1_{m}", 0) - before.get(f"cpu_us_batch_set_v1_{m}", 0)
                    for m in ("user", "system"))
-        assert spun and spun[0] > 0.2 and took < 0.5 * spun[0] * 1e6, (took, spun)
+        assert spun and spun[0] >= 0.3 and took < 0.5 * spun[0] * 1e6, (took, spun)
     sample = REGISTRY.get_sample_value("tierstore_caller_cpu_seconds_total", {"call": "batch_set_v1", "mode": "user", **rank(0)})
     assert sample is not None and sample > 0
 
@@ -138,7 +133,7 @@ def tierstore_series() -> dict[str, set[str]]:
     m = metrics.Metrics({"tp_rank": 0, "pp_rank": 0, "dp_rank": 0, "attn_cp_rank": 0})
     m.pages("probe", "hit")
     m.bytes("read", 1)
-    m.error("internal")
+    m.error("index_unavailable")  # (any kind: the labels are what counts)
     m.housekeeping("evicted", 1)
     m.observe("read", 0.001)
     m.cpu("batch_get_v1", (0.0, 0.0))

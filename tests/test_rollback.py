@@ -23,8 +23,9 @@ pytestmark = pytest.mark.slow
 
 
 def store_on(tmp: Path, r: RedisProc, **kw: Any) -> TierStore:
+    """4 MiB of 4 KiB pages: 32 batches of the workload's fill it."""
     return engine({"path": str(tmp / "pages"), "redis_url": r.url, "redis_prefix": "rb" + uuid.uuid4().hex[:8],
-                   "capacity_gb": 8 / 1024, "io_threads": 2, **kw})
+                   "capacity_gb": 4 / 1024, "io_threads": 2, **kw})
 
 
 def store_keys(r: redis.Redis, prefix: str) -> list[bytes]:
@@ -36,13 +37,13 @@ def test_an_index_rolled_back_under_traffic_gives_no_wrong_page(tmp_path: Path, 
     with store_on(tmp_path, private_server) as st:
         ns = st.namespace({"m": "rollback"}, 4096)
         w = Workload(st, ns)
-        for _ in range(20):
+        for _ in range(10):
             w.write()
             housekeep(st)
         before = list(w.keys)
         hits_t0 = w.read(before)
         t0 = {k: r.dump(k) for k in store_keys(r, st.cfg.redis_prefix)}
-        for _ in range(60):  # past capacity: regions are evicted and reused, files added
+        for _ in range(30):  # past capacity: regions are evicted and reused, files added
             w.write()
             w.read(w.keys[-64:])
             housekeep(st)
@@ -61,7 +62,7 @@ def test_an_index_rolled_back_under_traffic_gives_no_wrong_page(tmp_path: Path, 
         # slot was reused after T0 (then they are checksum misses, never another page)
         assert lost_after_t0 == 0
         assert sum(hits[: len(before)]) <= sum(hits_t0)
-        for _ in range(30):
+        for _ in range(15):
             w.write()
             housekeep(st)
         assert all(w.read(w.keys[-32:])), "writes after the rollback are stored and read back"
@@ -88,7 +89,7 @@ def test_every_function_call_run_twice_gives_no_wrong_page(tmp_path: Path, priva
         st.index._send = twice  # type: ignore[method-assign]
         ns = st.namespace({"m": "replay"}, 4096)
         w = Workload(st, ns)
-        for _ in range(60):  # past capacity: eviction, leases, new files all replayed
+        for _ in range(50):  # past capacity: eviction, leases, new files all replayed
             w.write()
             w.read(w.keys[-64:])
             housekeep(st)

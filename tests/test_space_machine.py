@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from conftest import RedisProc, keys
-from engine_kit import engine, views
+from engine_kit import bury, engine, views
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -170,9 +170,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         for p in self.procs:
             p.close()
         for p in self.dead:
-            p.space.attached().pages.close()
-            p.index.close()
-            p.io.close()
+            bury(p)
 
 
 class ShardedMachine(AllocatorMachine):

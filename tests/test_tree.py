@@ -37,7 +37,10 @@ import sglang.test.kits.unified_radix_cache.fixtures as kit_fixtures
 from sglang_tierstore import TierStoreBackend
 
 import sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler as assembler
+import sglang.srt.mem_cache.pool_host.base as host_base
 import sglang.srt.mem_cache.pool_host.mha as mha_host
+
+cpu_ops.patch_host_reserve(host_base)  # several test processes and servers share 24 GiB
 
 
 class TierStoreTree(UnifiedRadixCacheStorageFixtures, unittest.TestCase):
@@ -81,7 +84,7 @@ class TierStoreTree(UnifiedRadixCacheStorageFixtures, unittest.TestCase):
         if storage_backend is not None:
             ctl = cache.cache_controller
             ctl.prefetch_capacity_limit = max(ctl.prefetch_capacity_limit, ctl.mem_pool_host.size)
-            self.addCleanup(ctl.close_storage if hasattr(ctl, "close_storage") else ctl._stop_storage_threads)
+            self.addCleanup(ctl.detach_storage_backend)  # SGLang's own: its threads stopped, the backend closed
 
     # -- helpers --------------------------------------------------------------------
 

@@ -29,8 +29,10 @@ HICACHE_FLAGS = [
 
 def cpu_args(storage: Optional[dict[str, Any]] = None, hicache: Optional[bool] = None) -> list[str]:
     """Flags for the tiny model on CPU: HiCache if ``hicache`` (default: if ``storage``),
-    with tierstore as L3 configured by ``storage``."""
-    args = [*BASE_FLAGS, *(HICACHE_FLAGS if (storage is not None if hicache is None else hicache) else [])]
+    with tierstore as L3 configured by ``storage``. An idle scheduler sleeps
+    (``--sleep-on-idle``): without it each one spins half a core while it waits, which
+    servers kept up beside others (the suite's) cannot spare on 2 cores."""
+    args = [*BASE_FLAGS, "--sleep-on-idle", *(HICACHE_FLAGS if (storage is not None if hicache is None else hicache) else [])]
     return args + storage_args(storage) if storage is not None else args
 
 
@@ -44,6 +46,11 @@ def tierstore_config(**overrides: Any) -> dict[str, Any]:
         "interface_v1": 1, "prefetch_threshold": 16, **overrides,
     }
 
+
+# runs the command after it (execvp) as a process the kernel kills when the one that started it
+# dies (PR_SET_PDEATHSIG, kept across exec; SGLang's own children die with it): a test or a
+# script killed mid-run leaves no server behind
+DIE_WITH_PARENT = "import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGKILL); os.execvp(sys.argv[1], sys.argv[1:])"
 
 CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -70,15 +77,21 @@ class Server:
     """One server process. ``cpu`` (default) runs it under the CPU shim; ``args`` are its flags;
     with ``admin_key`` it is started with ``--admin-api-key``, which its admin endpoints need.
     ``cwd``: where it runs (``python -m`` puts that directory first on its sys.path, ahead of
-    PYTHONPATH: a checkout there is the ``sglang_tierstore`` it imports)."""
+    PYTHONPATH: a checkout there is the ``sglang_tierstore`` it imports).
+
+    ``started`` lists this process's servers (tests/conftest.py reads their logs after every
+    test). Where ``TIERSTORE_SERVER_STARTS`` names a file, each start appends a line to it:
+    the suite's timing counts them."""
+
+    started: "list[Server]" = []
 
     def __init__(self, model: str, port: int, log_path: str, args: Sequence[str],
                  env: Optional[dict[str, str]] = None, cpu: bool = True, admin_key: Optional[str] = None,
                  cwd: Optional[str] = None) -> None:
         self.url = f"http://127.0.0.1:{port}"
         self.admin_headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", "127.0.0.1",
-               "--port", str(port), *args, *(["--admin-api-key", admin_key] if admin_key else [])]
+        cmd = [sys.executable, "-c", DIE_WITH_PARENT, sys.executable, "-m", "sglang.launch_server", "--model-path", model,
+               "--host", "127.0.0.1", "--port", str(port), *args, *(["--admin-api-key", admin_key] if admin_key else [])]
         full_env = dict(os.environ)
         if cpu:
             full_env.update(CPU_ENV)
@@ -88,6 +101,27 @@ class Server:
         self._log = open(log_path, "ab")
         self.proc = subprocess.Popen(cmd, env=full_env, cwd=cwd, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
+        Server.started.append(self)
+        if counter := os.environ.get("TIERSTORE_SERVER_STARTS"):
+            with open(counter, "a") as f:
+                f.write(f"{' '.join(sys.argv[:2])} port {port}\n")
+
+    def log_size(self) -> int:
+        try:
+            return os.path.getsize(self.log_path)
+        except OSError:  # its directory cleaned up
+            return 0
+
+    def tierstore_tracebacks(self, since: int = 0) -> list[str]:
+        """The tierstore log lines after byte ``since`` of the server's log that a traceback
+        follows: each an internal error the backend logged (expected failures have none)."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(since)
+                lines = f.read().decode(errors="replace").splitlines()
+        except OSError:
+            return []
+        return [a.strip() for a, b in zip(lines, lines[1:]) if "tierstore " in a and b.startswith("Traceback (most recent")]
 
     def wait_ready(self, timeout: float = 400) -> "Server":
         deadline = time.monotonic() + timeout
@@ -156,9 +190,10 @@ def _prompt(prompt: str | list[int]) -> dict[str, Any]:
     return {"text": prompt} if isinstance(prompt, str) else {"input_ids": prompt}
 
 
-def conversation(turns: int = 3) -> list[str]:
-    """Prompts of a multi-turn chat: each turn repeats the whole history and adds to it."""
-    system = "<|system|>" + "You are a careful assistant that remembers long contexts. " * 6 + "<|end|>"
+def conversation(turns: int = 3, salt: str = "") -> list[str]:
+    """Prompts of a multi-turn chat: each turn repeats the whole history and adds to it.
+    ``salt`` opens the system prompt: chats of different salts share no cached prefix."""
+    system = "<|system|>" + salt + "You are a careful assistant that remembers long contexts. " * 6 + "<|end|>"
     asks = [
         "Explain how a radix tree finds the longest cached prefix of a prompt. ",
         "Now explain why reading pages back from disk is cheaper than recomputing them. ",

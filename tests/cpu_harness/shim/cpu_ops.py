@@ -101,6 +101,19 @@ def patch_assembler(mod: types.ModuleType) -> None:
     mod.get_mha_host_pool_cls = unpinned(mod.get_mha_host_pool_cls)  # type: ignore[attr-defined]
 
 
+# -- 6. a host-memory reserve a test machine can keep --------------------------------
+
+TEST_HOST_RESERVE_BYTES = 1 << 30
+
+
+def patch_host_reserve(mod: types.ModuleType) -> None:
+    """SGLang refuses a host pool unless 10 GiB of RAM stay free beside it
+    (``pool_host/base.py``'s ``HICACHE_HOST_MEMORY_RESERVE_BYTES``), a margin for a GPU
+    node's other work. The test machine (24 GiB) runs several servers and test processes at
+    once, whose pools are a few MB each: 1 GiB is kept free instead."""
+    mod.HICACHE_HOST_MEMORY_RESERVE_BYTES = TEST_HOST_RESERVE_BYTES  # type: ignore[attr-defined]
+
+
 # -- 4. extend attention over the new tokens only -----------------------------------
 
 

@@ -20,6 +20,8 @@ note of which tierstore the server runs:
 5. A run comparing two checkouts of tierstore (``loadtest_tiers.py --tierstore-src``) must
    know which one the server imported: each process that imports `sglang_tierstore`
    prints the file it came from to stderr (the server log).
+6. SGLang keeps 10 GiB of RAM free beside any host pool it makes; the test machine runs
+   several servers at once on 24 GiB: 1 GiB is kept free instead.
 Nothing touches the storage path: tierstore runs as in production.
 """
 
@@ -31,7 +33,8 @@ import sys
 import types
 from typing import Any, Callable, Optional, Sequence
 
-from cpu_ops import StubModule, assign_req_to_token_pool_cpu, patch_assembler, patch_mha, patch_torch_native
+from cpu_ops import (StubModule, assign_req_to_token_pool_cpu, patch_assembler, patch_host_reserve, patch_mha,
+                     patch_torch_native)
 
 # -- the import hook -----------------------------------------------------------------
 
@@ -43,6 +46,7 @@ _PATCHES: dict[str, Callable[[types.ModuleType], None]] = {
     "sglang.srt.mem_cache.pool_host.mha": patch_mha,
     "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler": patch_assembler,
     "sglang.srt.layers.attention.torch_native_backend": patch_torch_native,
+    "sglang.srt.mem_cache.pool_host.base": patch_host_reserve,
     "sglang_tierstore": _report_origin,
 }
 
