@@ -96,7 +96,7 @@ import uuid
 from types import SimpleNamespace
 from unittest import mock
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Generator, Protocol, TypeVar
+from typing import Any, Callable, Generator, Optional, Protocol, TypeVar
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
@@ -419,6 +419,9 @@ def cycle_rounds(path: str, redis_url: str, pool: Any, other: Any, threads: int)
         shutil.rmtree(d, ignore_errors=True)
 
 
+SYSTEMS = ("disk", "hicache", "ts_v1", "ts_v2", "ts_mla", "ts_v1_nocks", "ts_v1_nocoal", "ts_steady", "ts_cycle")
+
+
 def rates(nbytes: int, rounds: list[Round]) -> dict[str, Any]:
     gb = nbytes * BATCH / 1e9
     out = {}
@@ -427,12 +430,13 @@ def rates(nbytes: int, rounds: list[Round]) -> dict[str, Any]:
     return out
 
 
-def interleave(systems: dict[str, Generator[T, None, None]], repeat: int, rng: random.Random) -> dict[str, list[T]]:
-    """``repeat`` rounds of every system, in a new random order each time: a round runs
-    while the disk still works off the one before (the VM's host caches writes), so no
-    system may always follow the same one (a rotating order put ts_v1 after HiCacheFile's
-    buffered writes every time)."""
-    names = list(systems)
+def interleave(systems: dict[str, Generator[T, None, None]], repeat: int, rng: random.Random,
+               only: Optional[frozenset[str]] = None) -> dict[str, list[T]]:
+    """``repeat`` rounds of every system (or of those in ``only``), in a new random order
+    each time: a round runs while the disk still works off the one before (the VM's host
+    caches writes), so no system may always follow the same one (a rotating order put ts_v1
+    after HiCacheFile's buffered writes every time)."""
+    names = [n for n in systems if only is None or n in only]
     samples: dict[str, list[T]] = {n: [] for n in names}
     try:
         for _ in range(repeat):
@@ -783,8 +787,11 @@ def print_mixed(spec: str, row: dict[str, Any]) -> None:
           f" waiting on Redis (median of all batches); without it / disk: {r['write_alone_without_redis']:.2f}")
 
 
-def bench_size(work: str, url: str, size: int, threads: int, repeat: int, rng: random.Random) -> dict[str, Any]:
-    """Every system of the I/O benchmark at one page size, rounds interleaved."""
+def bench_size(work: str, url: str, size: int, threads: int, repeat: int, rng: random.Random,
+               systems: Optional[frozenset[str]] = None) -> dict[str, Any]:
+    """The I/O benchmark's systems (all, or those named in ``systems``) at one page size,
+    rounds interleaved. A generator does nothing before its first round, so a system left
+    out costs nothing."""
     p, layers, heads, dim = GEOMETRY[size]
     mha = mha_pool("page_first_direct", page_size=p, layers=layers, heads=heads, head_dim=dim, tokens=BATCH * p)
     mla = mla_pool("page_first", page_size=64, layers=MLA_LAYERS[size], kv_lora_rank=512, rope_dim=64, tokens=BATCH * 64)
@@ -803,12 +810,13 @@ def bench_size(work: str, url: str, size: int, threads: int, repeat: int, rng: r
            if size < ts_store.MAX_RUN_BYTES else {}),  # pages as large as a run: coalescing off is the same code
         "ts_steady": steady_rounds(work, url, mha, half, threads, info["ts_steady"]),
         "ts_cycle": cycle_rounds(work, url, mha, half, threads),
-    }, repeat, rng)
+    }, repeat, rng, systems)
     row: dict[str, Any] = {"page_bytes": page_bytes(mha)}
     for name, rounds in samples.items():
         nbytes = page_bytes(mla) if name == "ts_mla" else size
         row[name] = {**rates(nbytes, rounds), **info.get(name, {})}
-    row["ts_mla"]["page_bytes"] = page_bytes(mla)
+    if "ts_mla" in row:
+        row["ts_mla"]["page_bytes"] = page_bytes(mla)
     return row
 
 
@@ -823,8 +831,12 @@ def main() -> int:
     ap.add_argument("--reads", type=int, default=20, help="--mixed: read batches per phase and round")
     ap.add_argument("--pause", type=float, default=0.01, help="--mixed: longest random pause before a read batch (s)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the round order")
+    ap.add_argument("--systems", type=lambda v: frozenset(v.split(",")),
+                    help=f"without --mixed: only these of {','.join(SYSTEMS)} (default all)")
     ap.add_argument("--out")
     a = ap.parse_args()
+    if a.systems and (a.mixed or not a.systems <= set(SYSTEMS)):
+        ap.error(f"--systems: a subset of {','.join(SYSTEMS)}, without --mixed")
     os.makedirs(a.dir, exist_ok=True)
     work = tempfile.mkdtemp(dir=a.dir)
     redis_proc, url = start_redis(work)
@@ -844,7 +856,7 @@ def main() -> int:
                 row = bench_mixed(work, url, size, a.threads, a.repeat, a.reads, a.pause, rng)
                 print_mixed(spec, row)
             else:
-                row = bench_size(work, url, size, a.threads, a.repeat, rng)
+                row = bench_size(work, url, size, a.threads, a.repeat, rng, a.systems)
                 row["ratios"] = size_ratios(row)
                 print_row(spec, row)
             report["sizes"][spec] = row
@@ -893,7 +905,7 @@ def size_ratios(row: dict[str, Any]) -> dict[str, Interval]:
 
 def print_row(spec: str, row: dict[str, Any]) -> None:
     print(f"\n{spec} pages ({row['page_bytes']} B; MLA {row['ts_mla']['page_bytes']} B), batch {BATCH}: GB/s median [p90 p99]")
-    for name in ("disk", "hicache", "ts_v1", "ts_v2", "ts_mla", "ts_v1_nocks", "ts_v1_nocoal", "ts_steady", "ts_cycle"):
+    for name in SYSTEMS:
         if name not in row:
             continue
         r = row[name]

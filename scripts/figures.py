@@ -499,6 +499,18 @@ def stress_table() -> str:
     return "\n" + "\n".join(rows) + "\n"
 
 
+def suite_table() -> str:
+    """testing.md's timing of the suite in a clean clone: each lane's wall time (its setup
+    included), pytest's summary and the SGLang servers it started."""
+    rows = ["| lane | command | wall time | pytest | SGLang server starts |", "|---|---|---|---|---|"]
+    for name, lane in load("suite/suite.json")["lanes"].items():
+        m, sec = divmod(round(lane["wall_s"]), 60)
+        starts = lane.get("server_starts")
+        rows.append(f"| {name} | `{lane['command']}` | {m}:{sec:02d} | {lane['summary']} | "
+                    f"{'not counted' if starts is None else starts} |")
+    return "\n" + "\n".join(rows) + "\n"
+
+
 def pair(job: str, key: str) -> Callable[[], str]:
     """A paired comparison of the interleaved load-test rounds (``rounds.json``), as the docs may say it."""
     from compare import say
@@ -668,6 +680,9 @@ def measured(name: str) -> tuple[str, int] | None:
     return reproduce.measured(reproduce.job_named(name))
 
 
+STALENESS_LINK = {"README.md": "docs/testing.md", "docs/testing.md": ""}  # where testing.md is, seen from a page
+
+
 def stale_jobs(page: str) -> Callable[[], str]:
     """A line for each job the figures on ``page`` come from whose results predate the code
     as it stands: the commit it measured and how many commits to the code it runs came after
@@ -683,7 +698,7 @@ def stale_jobs(page: str) -> Callable[[], str]:
         if not lines:
             return "\n*Every figure here was measured on the code as it stands.*\n"
         return ("\n*Measured before the code as it stands* (`python3 scripts/reproduce.py --stale` reruns them; "
-                "[what counts](" + ("docs/" if page == "README.md" else "") + "testing.md#results-and-staleness)):\n"
+                f"[what counts]({STALENESS_LINK.get(page, 'testing.md')}#results-and-staleness)):\n"
                 + "\n".join(lines) + "\n")
     return value
 
@@ -714,6 +729,7 @@ FIGURES: dict[str, Callable[[], str]] = {
     "check.max": check_max,
     "stress.minutes": stress_minutes,
     "stress.table": stress_table,
+    "suite.table": suite_table,
     "stress.hits": stress("pages.hits"),
     "stress.wrong": stress("failures.wrong_pages"),
     "stress.stored": stress("pages.pages_stored"),
@@ -826,6 +842,7 @@ FIGURES: dict[str, Callable[[], str]] = {
     "stale.readme": stale_jobs("README.md"),
     "stale.performance": stale_jobs("docs/performance.md"),
     "stale.loadtest": stale_jobs("docs/loadtest.md"),
+    "stale.testing": stale_jobs("docs/testing.md"),
 }
 
 

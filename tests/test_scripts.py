@@ -30,12 +30,13 @@ def run(*args: str, timeout: int) -> str:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bench_ab_builds_each_engines_helper_and_tables_both(tmp_path: Path) -> None:
-    """HEAD against itself, one run each with bench_io's smoke arguments: each worktree's C
-    helper is built (else its engine would move pages from Python), both runs land, and the
-    table compares them."""
+    """HEAD against itself, one run each of the two systems the compared row needs, at
+    bench_io's smoke size (its smoke run covers every system): each worktree's C helper is
+    built (else its engine would move pages from Python), both runs land, and the table
+    compares them."""
     before = worktrees()
     out = run(str(SCRIPTS / "bench_ab.py"), "--old", "HEAD", "--new", "HEAD", "--runs", "1",
-              "--out", str(tmp_path), "--", "--sizes", "256K", "--repeat", "2", "--probe-repeat", "5", timeout=280)
+              "--out", str(tmp_path), "--", "--sizes", "256K", "--repeat", "2", "--probe-repeat", "5", "--systems", "disk,ts_v1", timeout=280)
     assert out.count("its C helper built in the worktree") == 2, out[-2000:]
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
     for name in ("old", "new"):  # each ran its own worktree's engine ("." is the stamping script's checkout)
