@@ -109,7 +109,8 @@ from compare import Interval, paired_ratio, say, unpaired_ratio  # noqa: E402
 from provenance import header, stamp  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import HiCacheFile, PoolName, PoolTransfer  # noqa: E402
 
-from sglang_tierstore import TierStoreBackend, inspect  # noqa: E402
+from sglang_tierstore import TierStoreBackend  # noqa: E402
+from sglang_tierstore.tools import inspect  # noqa: E402
 from sglang_tierstore import _native  # noqa: E402
 from sglang_tierstore import store as ts_store  # noqa: E402
 from sglang_tierstore.hostmem import ALIGN  # noqa: E402
@@ -378,7 +379,7 @@ def steady_rounds(path: str, redis_url: str, pool: Any, other: Any, threads: int
         info["regions_evicted_per_round"] = stats([float(e) for e in evicted]) if evicted else None
         info["region_bytes"] = inspect.usage(main.store)["region_bytes"]
         info["other_page_bytes"] = o_bytes
-        assert main.check(verify_pages=False) == []
+        assert inspect.check(main.store, verify_pages=False) == []
         main.close()
         side.close()
         shutil.rmtree(d, ignore_errors=True)

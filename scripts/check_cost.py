@@ -37,7 +37,7 @@ def worker(pages: int, redis_server: str) -> dict[str, object]:
     import redis
     from engine_kit import engine
 
-    from sglang_tierstore import inspect
+    from sglang_tierstore.tools import inspect
 
     work = tempfile.mkdtemp(prefix="check-cost-", dir="/var/tmp")
     sock = os.path.join(work, "redis.sock")

@@ -33,7 +33,7 @@ sys.path.insert(0, HERE)
 from engine_kit import engine  # noqa: E402
 from provenance import header, stamp  # noqa: E402
 
-from sglang_tierstore import inspect  # noqa: E402
+from sglang_tierstore.tools import inspect  # noqa: E402
 
 TB = 1 << 40
 

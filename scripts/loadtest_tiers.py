@@ -67,7 +67,7 @@ from multiturn_loadtest import decode_itl, load_rows
 from provenance import header, stamp
 
 from sglang_tierstore.embedded import pid_file
-from sglang_tierstore.plan import EmpiricalGaps, kv_bytes_per_token, plan
+from sglang_tierstore.tools.plan import EmpiricalGaps, kv_bytes_per_token, plan
 
 CONFIGS = ("no-hicache", "l2", "l2+file", "l2+tierstore")
 TIERS = ("device", "host", "storage")

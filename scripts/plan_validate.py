@@ -7,7 +7,7 @@
 
 For each variant (think times and pool sizes that move the shares between tiers) it
 runs ``loadtest_tiers.py --configs l2+tierstore`` into ``<output-dir>/<variant>/``, then
-asks :func:`sglang_tierstore.predict.predict` what that run should measure, from what was
+asks :func:`sglang_tierstore.tools.predict.predict` what that run should measure, from what was
 known before the load started: the workload's arguments, the pools' sizes from the server's
 flags, the model's KV bytes per token, and the calibration the load test takes on that server
 before sending any user (prefill cost per token from the cold prefix; the device-hit TTFT
@@ -15,7 +15,7 @@ as the time of one decode step). ``validation.json`` and ``validation.txt`` put 
 predicted share next to the measured one (token-weighted, a user's own history, as
 loadtest_tiers.py measures it), with the range in which 95% of single draws of the same
 workload land, and what the same model gives on the run's own draw (its measured arrivals
-and send times, :func:`~sglang_tierstore.predict.replay`): a gap beyond 10 points is
+and send times, :func:`~sglang_tierstore.tools.predict.replay`): a gap beyond 10 points is
 explained when the run's own draw is within 10 points of what it measured (``draw`` says
 how that draw differs from the mean one: its arrivals' span and median think time). Each
 variant has its own seed, so the three runs are three draws.
@@ -37,8 +37,8 @@ from loadtest_tiers import shares
 from multiturn_loadtest import load_rows
 from provenance import header, stamp
 
-from sglang_tierstore.plan import TIERS, GiB, LogNormalGaps
-from sglang_tierstore.predict import Schedule, Workload, predict, replay
+from sglang_tierstore.tools.plan import TIERS, GiB, LogNormalGaps
+from sglang_tierstore.tools.predict import Schedule, Workload, predict, replay
 
 TOLERANCE = 0.10  # the issue's bound on |predicted - measured| per tier
 WORKLOAD = {"num-clients": 48, "request-rate": 0.2, "num-rounds": 3, "request-length": 512,

@@ -67,7 +67,7 @@ sys.path.insert(0, os.path.dirname(HERE))  # the package next to this script
 from sglang_tierstore import IndexUnavailable, TierStore, TierStoreConfig  # noqa: E402
 from sglang_tierstore.config import redact_url  # noqa: E402
 from sglang_tierstore.embedded import ensure_embedded_redis, pid_file  # noqa: E402
-from sglang_tierstore import inspect  # noqa: E402
+from sglang_tierstore.tools import inspect  # noqa: E402
 from sglang_tierstore.index import RedisIndex  # noqa: E402
 from sglang_tierstore.perms import modes  # noqa: E402
 from sglang_tierstore.store import Namespace  # noqa: E402

@@ -1,40 +1,45 @@
 """sglang_tierstore: an L3 storage backend for SGLang's hierarchical cache.
 
 SGLang loads ``TierStoreBackend`` from here (``--hicache-storage-backend dynamic``,
-``"module_path": "sglang_tierstore", "class_name": "TierStoreBackend"``). The
-adapter imports SGLang, so it is loaded on first use; the engine underneath
-(:class:`TierStore`) needs only Redis, xxhash and the standard library.
+``"module_path": "sglang_tierstore", "class_name": "TierStoreBackend"``). The runtime is the
+adapter (which imports SGLang) over the engine (:class:`TierStore`: Redis, xxhash and the
+standard library); the operator tools (CLI, exporter, checks, planner) are
+:mod:`sglang_tierstore.tools`, which the runtime never imports. Every name below is loaded
+on first use (PEP 562), so importing a submodule, a tool among them, loads only what that
+submodule imports.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
 
-from sglang_tierstore.config import TierStoreConfig
-from sglang_tierstore.errors import (
-    ConfigError,
-    EmbeddedRedisError,
-    IndexUnavailable,
-    PageIOError,
-    TierStoreError,
-)
-from sglang_tierstore.store import TierStore
+if TYPE_CHECKING:
+    from sglang_tierstore.adapter import TierStoreBackend
+    from sglang_tierstore.config import TierStoreConfig
+    from sglang_tierstore.errors import ConfigError, EmbeddedRedisError, IndexUnavailable, PageIOError, TierStoreError
+    from sglang_tierstore.store import TierStore
 
-__all__ = [
-    "ConfigError",
-    "EmbeddedRedisError",
-    "IndexUnavailable",
-    "PageIOError",
-    "TierStore",
-    "TierStoreBackend",
-    "TierStoreConfig",
-    "TierStoreError",
-]
+_EXPORTS = {
+    "ConfigError": "errors",
+    "EmbeddedRedisError": "errors",
+    "IndexUnavailable": "errors",
+    "PageIOError": "errors",
+    "TierStoreError": "errors",
+    "TierStore": "store",
+    "TierStoreBackend": "adapter",
+    "TierStoreConfig": "config",
+}
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
-    if name == "TierStoreBackend":
-        from sglang_tierstore.adapter import TierStoreBackend
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'sglang_tierstore' has no attribute {name!r}")
+    value = getattr(import_module(f"sglang_tierstore.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
 
-        return TierStoreBackend
-    raise AttributeError(name)
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

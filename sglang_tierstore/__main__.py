@@ -1,7 +1,7 @@
-"""``python -m sglang_tierstore``: the ``tierstore`` command (:mod:`sglang_tierstore.cli`)."""
+"""``python -m sglang_tierstore``: the ``tierstore`` command (:mod:`sglang_tierstore.tools.cli`)."""
 
 import sys
 
-from sglang_tierstore.cli import main
+from sglang_tierstore.tools.cli import main
 
 sys.exit(main())

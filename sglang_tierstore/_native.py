@@ -13,6 +13,6 @@ from typing import Optional
 
 pageio: Optional[ModuleType]
 try:
-    from sglang_tierstore import _pageio as pageio
+    import sglang_tierstore._pageio as pageio
 except ImportError:
     pageio = None

@@ -34,7 +34,6 @@ from sglang.srt.mem_cache.hicache_storage import (
 from sglang_tierstore.config import TierStoreConfig, describe_target
 from sglang_tierstore.embedded import embedded_running, ensure_embedded_redis, redis_dir, stop_embedded_redis
 from sglang_tierstore.errors import EmbeddedNotStarted, IndexRefusesUser, StoreDetached, StoreUnavailable, TierStoreError
-from sglang_tierstore import inspect
 from sglang_tierstore.hostmem import PagePlan, tensor_bytes
 from sglang_tierstore.io_engine import Gate
 from sglang_tierstore.metrics import Metrics, thread_cpu
@@ -450,10 +449,6 @@ class TierStoreBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
             for samples in self._io_stats.values():
                 samples.clear()
         return StorageMetrics(**stats)
-
-    def check(self, fix: bool = False, verify_pages: bool = True) -> list[str]:
-        """Compare the index with itself and the page files (see :func:`sglang_tierstore.inspect.check`)."""
-        return inspect.check(self.store, fix, verify_pages)
 
     def close(self) -> None:
         """Release everything: threads, page files, Redis connections, leases. SGLang

@@ -15,7 +15,8 @@ from typing import Optional, Sequence
 
 from engine_kit import housekeep, views
 
-from sglang_tierstore import TierStore, inspect
+from sglang_tierstore import TierStore
+from sglang_tierstore.tools import inspect
 from sglang_tierstore.errors import StoreUnavailable
 from sglang_tierstore.schema import entry_field, shard_of
 from sglang_tierstore.store import Namespace

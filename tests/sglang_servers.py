@@ -31,7 +31,7 @@ import pytest
 from conftest import free_port
 from cpu_harness.server import Server, cpu_args, tierstore_config
 
-from sglang_tierstore import inspect
+from sglang_tierstore.tools import inspect
 from sglang_tierstore.config import TierStoreConfig
 
 GROUP = pytest.mark.xdist_group("sglang")  # every test that uses these: one worker holds them

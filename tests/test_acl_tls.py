@@ -23,7 +23,8 @@ from conftest import RedisProc, keys
 from engine_kit import MiB, engine, housekeep, pages, read, views
 from pools import fill, mha_pool, page_bytes, page_indices, storage_config
 
-from sglang_tierstore import ConfigError, TierStoreBackend, TierStoreError, inspect
+from sglang_tierstore import ConfigError, TierStoreBackend, TierStoreError
+from sglang_tierstore.tools import inspect
 from sglang_tierstore.index import ACL_COMMANDS, acl_rule
 from sglang_tierstore.space.library import LIBRARY
 
@@ -309,7 +310,7 @@ def test_pages_round_trip_over_tls_as_an_acl_user(
     cfg.update(redis_url=tls_redis.url.replace("://", f"://{USER}@"), redis_password_file=pw_file(tmp_path, USER_PW))
     with TierStoreBackend(storage_config(cfg), {}) as be:
         round_trip(be)
-        assert be.check() == []
+        assert inspect.check(be.store) == []
     assert "rediss://***@127.0.0.1" in caplog.text  # the start-up line names the index, user part hidden
     assert USER_PW not in caplog.text and key_body(certs.client[1]) not in caplog.text
 

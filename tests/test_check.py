@@ -20,7 +20,8 @@ import redis
 from conftest import RedisProc, flip_byte, keys
 from engine_kit import engine, pages, views
 
-from sglang_tierstore import TierStore, inspect
+from sglang_tierstore import TierStore
+from sglang_tierstore.tools import inspect
 from sglang_tierstore.schema import (
     DRAINING,
     ENTRY,

@@ -29,7 +29,7 @@ from prometheus_client.exposition import MetricsHandler
 from prometheus_client.parser import text_string_to_metric_families
 from users import NOBODY, as_root, run_as
 
-from sglang_tierstore import cli, exporter, inspect
+from sglang_tierstore.tools import cli, exporter, inspect
 from sglang_tierstore.config import TierStoreConfig
 from sglang_tierstore.embedded import ensure_embedded_redis, pid_file, redis_dir, stop_embedded_redis
 from sglang_tierstore.perms import PRIVATE, modes
@@ -81,11 +81,11 @@ class Tty(io.StringIO):
 
 
 def test_the_command_needs_neither_torch_nor_sglang_and_is_declared() -> None:
-    code = ("import sys, sglang_tierstore.cli; "
+    code = ("import sys, sglang_tierstore.tools.cli; "
             "bad = [m for m in ('torch', 'sglang') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts == {"tierstore": "sglang_tierstore.cli:main"}
+    assert scripts == {"tierstore": "sglang_tierstore.tools.cli:main"}
     helped = python_m("--help")
     assert helped.returncode == 0
     assert all(c in helped.stdout for c in ("stats", "check", "clear", "redis", "plan", "predict", "exporter"))

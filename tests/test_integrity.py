@@ -17,7 +17,8 @@ from conftest import RedisProc, flip_byte
 from engine_kit import Hook, bury, engine, hooked, housekeep, pages, read, views
 from pools import fill, keys, mha_pool, mla_pool, page_bytes, page_indices, storage_config
 
-from sglang_tierstore import TierStoreBackend, inspect
+from sglang_tierstore import TierStoreBackend
+from sglang_tierstore.tools import inspect
 from sglang_tierstore.schema import entry_field, entry_fields, unpack_entry
 
 HANG_S = 30.0
@@ -83,7 +84,7 @@ def test_flipped_bytes_are_misses_and_drop_the_entry(extra: dict[str, Any]) -> N
         flip_byte(path, off + n - 1)  # last byte of page 1
         path, off, _ = _slot_offset(be, ks[3])
         flip_byte(path, off)  # first byte of page 3
-        assert be.check() != []  # check sees both before any read does
+        assert inspect.check(be.store) != []  # check sees both before any read does
         fill(pool, 99)
         before = page_bytes(pool, 10)
         assert be.batch_get_v1(ks[:2], page_indices([10, 11], 4)) == [True, False]
@@ -92,7 +93,7 @@ def test_flipped_bytes_are_misses_and_drop_the_entry(extra: dict[str, Any]) -> N
         # both entries are gone, their slots free again; the rest is intact
         assert be.batch_exists(ks) == 1
         assert be.batch_exists(ks[2:3]) == 1
-        assert be.check() == []
+        assert inspect.check(be.store) == []
         assert be.store.stats()["error_corrupt"] == 2
         # the key can be written again and reads back right
         assert be.batch_set_v1(ks[1:2], page_indices([1], 4)) == [True]
@@ -114,7 +115,7 @@ def test_unparsable_index_value_is_a_miss_and_is_dropped(extra: dict[str, Any]) 
         field = entry_field(be.namespace().ns_id, ks[1])
         good = r.hget(entries, field)
         r.hset(entries, field, b"not an entry")
-        assert [p for p in be.check() if "unparsable" in p] == [f"entry {field.hex()}: unparsable entry"]
+        assert [p for p in inspect.check(be.store) if "unparsable" in p] == [f"entry {field.hex()}: unparsable entry"]
         assert be.batch_get_v1(ks[:2], page_indices([10, 11], 4)) == [True, False]
         assert page_bytes(pool, 10) == page_bytes(pool, 0)
         assert be.store.stats()["error_corrupt"] == 1
@@ -122,8 +123,8 @@ def test_unparsable_index_value_is_a_miss_and_is_dropped(extra: dict[str, Any]) 
         assert be.batch_exists(ks[2:]) == 1
         # the dropped value named no slot, so its region still counts the page: check sees
         # the member whose entry is gone, and fix makes the slot dead
-        assert good is not None and be.check(fix=True) == [f"region {_region_of(good)} slot {_slot_of(good)}: member {field.hex()} has no entry"]
-        assert be.check() == []
+        assert good is not None and inspect.check(be.store, fix=True) == [f"region {_region_of(good)} slot {_slot_of(good)}: member {field.hex()} has no entry"]
+        assert inspect.check(be.store) == []
 
 
 @pytest.fixture
@@ -243,7 +244,7 @@ def test_lost_index_or_lost_files_serve_nothing_stale(extra: dict[str, Any]) -> 
         assert any(old_store in f for f in _page_files(extra["path"]))
         assert be.batch_get_v1(ks[2:], page_indices([20, 21], 4)) == [True, True]
         assert page_bytes(pool, 21) == page_bytes(pool, 3)
-        assert be.check() == []
+        assert inspect.check(be.store) == []
         # now the page files are lost while Redis keeps the entries
         files = be.store.space.attached().pages
         for n in files.open_files():  # our handles go (a closed PageFiles would open nothing more)
@@ -254,9 +255,9 @@ def test_lost_index_or_lost_files_serve_nothing_stale(extra: dict[str, Any]) -> 
         assert be.batch_get_v1(ks[2:], page_indices([30, 31], 4)) == [False, False]  # ...reads do not
         be.store.space.housekeeping.run_once()  # which forgets the lost file and its pages
         assert be.batch_exists(ks[2:]) == 0
-        assert be.check() == []
+        assert inspect.check(be.store) == []
         assert be.batch_set_v1(ks, page_indices(range(4), 4)) == [True] * 4  # and a new file takes pages
-        assert be.check() == []
+        assert inspect.check(be.store) == []
 
 
 def _page_files(root: str) -> list[str]:

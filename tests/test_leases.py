@@ -13,8 +13,9 @@ import pytest
 from conftest import RedisProc, keys, page_files_bytes
 from engine_kit import Hook, MiB, engine, hooked, housekeep, pages, read, sweep_all, views
 
-from sglang_tierstore import IndexUnavailable, inspect
-from sglang_tierstore.inspect import unlink_members
+from sglang_tierstore import IndexUnavailable
+from sglang_tierstore.tools import inspect
+from sglang_tierstore.tools.inspect import unlink_members
 
 HANG_S = 30.0
 

@@ -18,7 +18,8 @@ from conftest import RedisProc, keys
 from engine_kit import MiB, engine, housekeep, pages, read, views
 from monitor import Monitor
 
-from sglang_tierstore import IndexUnavailable, inspect
+from sglang_tierstore import IndexUnavailable
+from sglang_tierstore.tools import inspect
 from sglang_tierstore.space.library import LIBRARY, LUA_FILES
 
 

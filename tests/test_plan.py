@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from lru_sim import simulate
 
-from sglang_tierstore.plan import (
+from sglang_tierstore.tools.plan import (
     EmpiricalGaps,
     Gaps,
     LogNormalGaps,
@@ -284,7 +284,7 @@ def test_returning_traffic_shortens_the_windows() -> None:
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "sglang_tierstore.plan", *args], cwd=ROOT, capture_output=True, text=True,
+        [sys.executable, "-m", "sglang_tierstore.tools.plan", *args], cwd=ROOT, capture_output=True, text=True,
         timeout=60, check=False,
     )
 

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from sglang_tierstore.plan import LogNormalGaps
-from sglang_tierstore.predict import (
+from sglang_tierstore.tools.plan import LogNormalGaps
+from sglang_tierstore.tools.predict import (
     SHARES,
     Schedule,
     Workload,

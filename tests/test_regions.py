@@ -18,7 +18,8 @@ from mounts import mounted
 from pools import fill, keys, mha_pool, page_bytes, page_indices, storage_config
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 
-from sglang_tierstore import ConfigError, TierStoreBackend, inspect
+from sglang_tierstore import ConfigError, TierStoreBackend
+from sglang_tierstore.tools import inspect
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -68,7 +69,7 @@ def test_a_page_size_that_comes_after_the_store_filled_gets_its_share(extra: dic
         assert set(sizes) == {a.namespace().page_bytes, b.namespace().page_bytes}
         assert inspect.usage(a.store)["allocated_bytes"] <= 4 * MiB
         assert page_files_bytes(cfg["path"]) <= 4 * MiB + 64 * 1024
-        assert a.check() == []
+        assert inspect.check(a.store) == []
 
 
 def test_two_models_alternating_past_capacity_share_it_by_use(extra: dict[str, Any]) -> None:
@@ -87,7 +88,7 @@ def test_two_models_alternating_past_capacity_share_it_by_use(extra: dict[str, A
         assert after[b_pb]["regions"] > before[b_pb]["regions"]
         assert after.get(a_pb, {"regions": 0})["regions"] < before[a_pb]["regions"]
         assert readable(b, b_pool, "b-only", 80, 40)
-        assert a.check() == []
+        assert inspect.check(a.store) == []
 
 
 def test_hybrid_kv_and_side_pool_under_capacity_pressure(extra: dict[str, Any]) -> None:
@@ -121,7 +122,7 @@ def test_hybrid_kv_and_side_pool_under_capacity_pressure(extra: dict[str, Any]) 
         assert got == {"kv": [True] * 8, "swa": [True] * 8}
         assert page_bytes(swa, 16) == page_bytes(swa, 23 % 16)
         assert inspect.usage(be.store)["allocated_bytes"] <= 4 * MiB
-        assert be.check() == []
+        assert inspect.check(be.store) == []
 
 
 def test_lowering_capacity_while_traffic_runs_returns_disk_space(extra: dict[str, Any]) -> None:
@@ -184,7 +185,7 @@ def test_lowering_capacity_while_traffic_runs_returns_disk_space(extra: dict[str
         assert errors == []
         assert inspect.usage(be.store)["allocated_bytes"] <= 2 * MiB
         assert be.store.stats().get("error_internal", 0) == 0
-        assert be.check() == []
+        assert inspect.check(be.store) == []
 
 
 def test_a_16_mib_store_works_with_default_settings(extra: dict[str, Any]) -> None:
@@ -199,7 +200,7 @@ def test_a_16_mib_store_works_with_default_settings(extra: dict[str, Any]) -> No
         assert be.batch_exists(keys(1, "w")) == 0  # the oldest are gone
         assert inspect.usage(be.store)["allocated_bytes"] <= 16 * MiB
         assert page_files_bytes(cfg["path"]) <= 16 * MiB + 64 * 1024
-        assert be.check() == []
+        assert inspect.check(be.store) == []
 
 
 def test_a_process_started_with_another_capacity_keeps_the_stores(extra: dict[str, Any],
@@ -232,7 +233,7 @@ def test_a_process_started_with_another_capacity_keeps_the_stores(extra: dict[st
                 assert c.store.space.attached().geometry == first
                 assert inspect.usage(c.store)["allocated_bytes"] <= 8 * MiB
                 assert page_files_bytes(extra["path"]) <= 8 * MiB + 64 * 1024
-                assert c.check() == []
+                assert inspect.check(c.store) == []
         assert "dropped store" not in caplog.text
 
 
@@ -330,4 +331,4 @@ def test_capacity_bounds_the_files_where_holes_cannot_be_punched(tmp_path: Path,
                 be.store.space.set_capacity(16 * MiB)
             assert sizes[0] <= 16 * MiB + 64 * 1024 and sizes == sizes[:1] * 3  # capacity and the files' headers
             assert inspect.usage(be.store)["punch_regions"] == 0
-            assert be.check() == []
+            assert inspect.check(be.store) == []

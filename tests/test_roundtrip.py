@@ -9,6 +9,7 @@ import torch
 from pools import MHA_LAYOUTS, MLA_LAYOUTS, fill, keys, mha_pool, mla_pool, page_bytes, page_indices, storage_config
 
 from sglang_tierstore import TierStoreBackend
+from sglang_tierstore.tools import inspect
 
 POOLS = [("mha", lay) for lay in MHA_LAYOUTS] + [("mla", lay) for lay in MLA_LAYOUTS]
 
@@ -33,7 +34,7 @@ def test_v1_round_trip_every_layout(extra: dict[str, Any], kind: str, layout: st
         assert be.batch_get_v1(ks, page_indices(dst_pages, dst.page_size)) == [True] * 10
         for s, d in zip(src_pages, dst_pages):
             assert page_bytes(dst, d) == page_bytes(src, s)
-        assert be.check() == []
+        assert inspect.check(be.store) == []
 
 
 @pytest.mark.parametrize("layout", MHA_LAYOUTS)
@@ -61,7 +62,7 @@ def test_legacy_and_zero_copy_store_the_same_bytes(extra: dict[str, Any], layout
         assert be.get(keys(1, "absent")[0], pool.get_dummy_flat_data_page()) is None
         assert be.set(keys(1, "single")[0], pool.get_data_page(7 * ps)) is True
         assert be.exists(keys(1, "single")[0])
-        assert be.check() == []
+        assert inspect.check(be.store) == []
 
 
 def test_leading_hits_with_gaps(extra: dict[str, Any]) -> None:
@@ -137,4 +138,4 @@ def test_clear_drops_only_this_backends_pages(extra: dict[str, Any]) -> None:
         assert a.batch_exists(keys(3)) == 0
         assert b.batch_exists(keys(3)) == 3
         assert a.batch_set_v1(keys(3), page_indices([0, 1, 2], 4)) == [True] * 3
-        assert a.check() == []
+        assert inspect.check(a.store) == []

@@ -24,7 +24,7 @@ from scaleout_kit import Workload, settle_and_check
 from stallfs import StalledDisk, _umount
 
 from sglang_tierstore import TierStore
-from sglang_tierstore.cli import main as cli
+from sglang_tierstore.tools.cli import main as cli
 from sglang_tierstore.schema import meta_key
 from sglang_tierstore.space.attach import prefix_dir
 

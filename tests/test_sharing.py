@@ -10,7 +10,8 @@ from typing import Any
 
 from pools import fill, keys, mha_pool, page_bytes, page_indices, storage_config
 
-from sglang_tierstore import TierStoreBackend, inspect
+from sglang_tierstore import TierStoreBackend
+from sglang_tierstore.tools import inspect
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 N = 32
@@ -44,7 +45,7 @@ def test_two_processes_share_one_store_and_restart(extra: dict[str, Any]) -> Non
             for i in range(N):
                 assert page_bytes(dst, 40 + i) == page_bytes(theirs, i)
         assert be.batch_exists(keys(N, "parent")) == N
-        assert be.check() == []
+        assert inspect.check(be.store) == []
         u = inspect.usage(be.store)
         assert u["pages"] == 3 * N and u["leases"] == 0  # both writers gave their stock back
 
@@ -80,4 +81,4 @@ def test_concurrent_writers_and_readers_under_eviction(extra: dict[str, Any]) ->
         assert errors == []
         assert a.store.stats().get("evicted", 0) + b.store.stats().get("evicted", 0) > 0
         assert inspect.usage(a.store)["allocated_bytes"] <= 1 << 20
-        assert a.check() == []
+        assert inspect.check(a.store) == []

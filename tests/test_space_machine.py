@@ -24,7 +24,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from sglang_tierstore import TierStore, inspect
+from sglang_tierstore import TierStore
+from sglang_tierstore.tools import inspect
 from sglang_tierstore.schema import entry_fields
 from sglang_tierstore.store import Namespace
 

@@ -21,7 +21,8 @@ from conftest import RedisProc, keys
 from engine_kit import MiB, engine, pages, read, views
 from stallfs import StalledDisk
 
-from sglang_tierstore import TierStore, inspect
+from sglang_tierstore import TierStore
+from sglang_tierstore.tools import inspect
 from sglang_tierstore.io_engine import IOEngine, each
 from sglang_tierstore.errors import FileGone, PageIOError
 from sglang_tierstore.pagefile import FileRef, PageFiles

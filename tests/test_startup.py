@@ -21,6 +21,7 @@ from pools import fill, keys, mha_pool, page_bytes, page_indices, storage_config
 from sglang_tierstore import TierStoreBackend
 from sglang_tierstore.embedded import AOF_ASIDE, AOF_DIR, embedded_running, pid_file, redis_dir, stop_embedded_redis
 from sglang_tierstore.errors import ConfigError
+from sglang_tierstore.tools import inspect
 
 MiB = 1 << 20
 
@@ -70,7 +71,7 @@ def test_a_full_index_keeps_reads_refuses_writes_and_a_rank_starting_meanwhile_c
                 assert b.batch_set_v1(ks[6:9], page_indices(range(6, 9), 4)) == [True] * 3
                 assert a.batch_set_v1(ks[9:], page_indices(range(9, 12), 4)) == [True] * 3
                 assert b.batch_get_v1(ks, page_indices(range(30, 42), 4)) == [True] * 12
-                assert b.check() == []
+                assert inspect.check(b.store) == []
     admin.close()
 
 
@@ -169,7 +170,7 @@ def test_a_full_disk_at_start_comes_up_serving_and_writes_again_when_space_retur
                     assert c.store.stats()["error_disk_unavailable"] >= 1
                     filler.unlink()
                     assert b.batch_set_v1(ks[6:], page_indices(range(6, 12), 4)) == [True] * 6
-                    assert b.check() == []
+                    assert inspect.check(b.store) == []
                     time.sleep(0.25)  # past redis_retry_s: the next call attaches, creating the store
                     assert c.batch_set_v1(ks[:2], page_indices(range(2), 4)) == [True] * 2
                     assert c.batch_get_v1(ks[:2], page_indices(range(40, 42), 4)) == [True] * 2
@@ -228,7 +229,7 @@ def test_the_embedded_index_killed_while_the_disk_is_full_comes_back(tmp_path: P
                 filler.unlink()
                 until(lambda: be.batch_set_v1(ks[6:], page_indices(range(6, 12), 4)) == [True] * 6, "writes again")
                 assert be.batch_get_v1(ks, page_indices(range(20, 32), 4)) == [True] * 12
-                assert be.check() == []
+                assert inspect.check(be.store) == []
         finally:
             stop_embedded_redis(cfg["path"])
 

@@ -20,7 +20,8 @@ import pytest
 from conftest import RedisProc
 from engine_kit import MiB, housekeep
 
-from sglang_tierstore import TierStore, TierStoreConfig, inspect
+from sglang_tierstore import TierStore, TierStoreConfig
+from sglang_tierstore.tools import inspect
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))

@@ -15,7 +15,7 @@ import redis
 from conftest import RedisProc, keys
 from engine_kit import MiB, engine, housekeep, pages, read, views
 
-from sglang_tierstore import inspect
+from sglang_tierstore.tools import inspect
 from sglang_tierstore.errors import ConfigError
 from sglang_tierstore.schema import ENTRY, entry_field, unpack_entry, unpack_region
 from sglang_tierstore.tags import KEY_BYTES, KEY_FILE

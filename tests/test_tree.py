@@ -35,6 +35,7 @@ from sglang.test.kits.unified_radix_cache.storage import UnifiedRadixCacheStorag
 import sglang.test.kits.unified_radix_cache.fixtures as kit_fixtures
 
 from sglang_tierstore import TierStoreBackend
+from sglang_tierstore.tools import inspect
 
 import sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler as assembler
 import sglang.srt.mem_cache.pool_host.base as host_base
@@ -157,7 +158,7 @@ class TierStoreTree(UnifiedRadixCacheStorageFixtures, unittest.TestCase):
         self.assertEqual(backend.store.stats()["read_hit"], kv_pages + window_pages)
         # v1 reads go through batch_get_v1; legacy ones through batch_get
         self.assertEqual(bool(v1_reads), self.interface_v1)
-        self.assertEqual(backend.check(), [])
+        self.assertEqual(inspect.check(backend.store), [])
 
 
     def test_write_through_selective_backs_up_on_the_second_hit(self) -> None:

@@ -4,7 +4,7 @@ Counters of pages read, hit and written live in each serving process (SGLang's
 ``/metrics``, :mod:`sglang_tierstore.metrics`); what only the index knows (capacity,
 regions by state, page sizes, pages, leases, Redis memory) is served here, read at
 scrape time (at most once per ``interval_s``) from a store joined as it is, creating
-nothing (:func:`sglang_tierstore.inspect.open_store`).
+nothing (:func:`sglang_tierstore.tools.inspect.open_store`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from sglang_tierstore.config import TierStoreConfig
 from sglang_tierstore.errors import TierStoreError
-from sglang_tierstore.inspect import Opened, index_facts, open_store
+from sglang_tierstore.tools.inspect import Opened, index_facts, open_store
 from sglang_tierstore.perms import redis_password, redis_tls
 
 logger = logging.getLogger(__name__)

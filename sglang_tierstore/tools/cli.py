@@ -42,7 +42,7 @@ from typing import Any, Optional, Sequence
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from sglang_tierstore import inspect, plan, predict
+from sglang_tierstore.tools import inspect, plan, predict
 from sglang_tierstore.config import MAX_CAPACITY_GB, MIN_CAPACITY_GB, TierStoreConfig, describe_target, redact_url
 from sglang_tierstore.embedded import (
     embedded_running,
@@ -53,8 +53,8 @@ from sglang_tierstore.embedded import (
     stop_embedded_redis,
 )
 from sglang_tierstore.errors import ConfigError, IndexUnavailable, NoStore, TierStoreError
-from sglang_tierstore.exporter import run_exporter
-from sglang_tierstore.inspect import Opened, index_url, open_store
+from sglang_tierstore.tools.exporter import run_exporter
+from sglang_tierstore.tools.inspect import Opened, index_url, open_store
 from sglang_tierstore.perms import check_dirs, modes, remove_created
 from sglang_tierstore.space import attach
 from sglang_tierstore.store import Namespace, open_index

@@ -1,6 +1,6 @@
 """Residency before the run: which tier will serve returning users, from what a user knows.
 
-:mod:`sglang_tierstore.plan` needs the rate tokens enter the cache, which only a running
+:mod:`sglang_tierstore.tools.plan` needs the rate tokens enter the cache, which only a running
 server shows, and assumes a steady state. This module starts from the workload itself:
 arrival rate, turns per user, tokens per turn, system prompts and how many users share each,
 think times, output length, pool sizes and the model's prefill and decode speed. It draws
@@ -13,7 +13,7 @@ returning histories each tier serves, with the range one run may land in by chan
 
 Standard library only; run before any server exists::
 
-    python -m sglang_tierstore.predict --users 48 --arrival-rate 0.2 --turns 3 --first-tokens 512 \\
+    python -m sglang_tierstore.tools.predict --users 48 --arrival-rate 0.2 --turns 3 --first-tokens 512 \\
         --later-tokens 256 --output-tokens 32 --system-tokens 1024 --tenants 4 --think-median 30 \\
         --think-sigma 0.8 --prefill-ms-per-1k-tokens 1300 --decode-ms-per-token 100 --page-tokens 16 \\
         --gpu-tokens 8192 --host-tokens 16384 --l3-gb 8 --bytes-per-token 12288
@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from sglang_tierstore.plan import TIERS, Gaps, GiB, LogNormalGaps, _check
+from sglang_tierstore.tools.plan import TIERS, Gaps, GiB, LogNormalGaps, require
 
 SHARES = (*TIERS, "miss")
 
@@ -78,14 +78,14 @@ class Workload:
     def __post_init__(self) -> None:
         for name in ("users", "turns", "tenants", "page_tokens"):
             v = getattr(self, name)
-            _check(_count(v) and v > 0, name, v, "a positive integer")
+            require(_count(v) and v > 0, name, v, "a positive integer")
         for name in ("first_tokens", "later_tokens", "output_tokens", "system_tokens", "backup_tokens", "max_running"):
             v = getattr(self, name)
-            _check(_count(v) and v >= 0, name, v, "a non-negative integer")
-        _check(0 < self.arrival_rate < math.inf, "arrival_rate", self.arrival_rate, "a positive number of users/s")
+            require(_count(v) and v >= 0, name, v, "a non-negative integer")
+        require(0 < self.arrival_rate < math.inf, "arrival_rate", self.arrival_rate, "a positive number of users/s")
         for name in ("prefill_s_per_token", "decode_s_per_token", "backup_rate"):
             v = getattr(self, name)
-            _check(0 <= v < math.inf, name, v, "a non-negative finite number")
+            require(0 <= v < math.inf, name, v, "a non-negative finite number")
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,7 +182,7 @@ class Schedule:
         later = [*(t for ts in self.thinks for t in ts), *(t for ts in self.sends or () for t in ts)]
         for name, xs in (("arrivals", self.arrivals), ("thinks", later), ("backups", self.backups)):
             bad = next((x for x in xs if not 0 <= x < math.inf), None)  # also NaN
-            _check(bad is None, f"schedule.{name}", bad, "non-negative finite seconds")
+            require(bad is None, f"schedule.{name}", bad, "non-negative finite seconds")
 
     @staticmethod
     def draw(w: Workload, rng: random.Random) -> Schedule:
@@ -282,9 +282,9 @@ def _replay(w: Workload, caps: Mapping[str, float], hot: int, plan: Schedule) ->
 
 
 def _pools(gpu_tokens: float, host_tokens: float, l3_tokens: float | None) -> dict[str, float]:
-    _check(0 <= gpu_tokens < math.inf, "gpu_tokens", gpu_tokens, "a non-negative number of tokens")
-    _check(0 <= host_tokens < math.inf, "host_tokens", host_tokens, "a non-negative number of tokens")
-    _check(l3_tokens is None or l3_tokens >= 0, "l3_tokens", l3_tokens, "None or a non-negative number of tokens")
+    require(0 <= gpu_tokens < math.inf, "gpu_tokens", gpu_tokens, "a non-negative number of tokens")
+    require(0 <= host_tokens < math.inf, "host_tokens", host_tokens, "a non-negative number of tokens")
+    require(l3_tokens is None or l3_tokens >= 0, "l3_tokens", l3_tokens, "None or a non-negative number of tokens")
     return {"device": gpu_tokens, "host": host_tokens, "storage": 0.0 if l3_tokens is None else l3_tokens}
 
 
@@ -294,8 +294,8 @@ def _shares(rows: Sequence[Mapping[str, float]]) -> dict[str, float]:
 
 
 def _returning(w: Workload) -> None:
-    _check(w.turns > 1, "turns", w.turns, "more than one turn per user (nothing returns)")
-    _check(w.first_tokens + w.output_tokens > 0, "first_tokens", w.first_tokens,
+    require(w.turns > 1, "turns", w.turns, "more than one turn per user (nothing returns)")
+    require(w.first_tokens + w.output_tokens > 0, "first_tokens", w.first_tokens,
            "a first turn that leaves a history (text or reply tokens)")
 
 
@@ -304,9 +304,9 @@ def replay(w: Workload, schedule: Schedule, *, gpu_tokens: float, host_tokens: f
     """The shares one schedule gives (what a run measured of arrivals and send times, say):
     what :func:`predict` would say of that run had it known its draw."""
     _returning(w)
-    _check(len(schedule.arrivals) == w.users, "schedule.arrivals", len(schedule.arrivals), f"{w.users} users")
+    require(len(schedule.arrivals) == w.users, "schedule.arrivals", len(schedule.arrivals), f"{w.users} users")
     name, later = ("schedule.thinks", schedule.thinks) if schedule.sends is None else ("schedule.sends", schedule.sends)
-    _check(len(later) == w.users and all(len(t) >= w.turns - 1 for t in later), name, len(later),
+    require(len(later) == w.users and all(len(t) >= w.turns - 1 for t in later), name, len(later),
            f"{w.users} users of {w.turns - 1} later turns each")
     rows = _replay(w, _pools(gpu_tokens, host_tokens, l3_tokens), min(w.tenants, w.users) * w.system_tokens, schedule)
     return _shares([r for r in rows if "own" in r])
@@ -329,7 +329,7 @@ def predict(
     their tokens from the device's and the host's capacity and are left out of the shares.
     """
     caps = _pools(gpu_tokens, host_tokens, l3_tokens)
-    _check(_count(draws) and draws > 0, "draws", draws, "a positive integer")
+    require(_count(draws) and draws > 0, "draws", draws, "a positive integer")
     _returning(w)
     hot = min(w.tenants, w.users) * w.system_tokens
     served = dict.fromkeys((*SHARES, "own"), 0.0)
@@ -392,7 +392,7 @@ def render(p: Prediction) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m sglang_tierstore.predict",
+    p = argparse.ArgumentParser(prog="python -m sglang_tierstore.tools.predict",
                                 description="Predict which HiCache tier serves returning users, before the run.")
     w = p.add_argument_group("workload")
     for name, kind, what in (

@@ -21,7 +21,7 @@ can be well above ``λ``, and the model overrates the upper tiers.
 
 Standard library only: this is a planning tool, run before any server exists::
 
-    python -m sglang_tierstore.plan --model-config config.json --gpu-tokens 400000 \\
+    python -m sglang_tierstore.tools.plan --model-config config.json --gpu-tokens 400000 \\
         --host-gb 200 --l3-gb 2000 --insert-rate 20000 --gap-median 600 --gap-sigma 1.5 \\
         --prefix-tokens 8000 --recompute-ms-per-1k-tokens 60 --host-gbps 20 --l3-gbps 5
 """
@@ -210,7 +210,9 @@ class Plan:
         }
 
 
-def _check(ok: bool, name: str, value: object, what: str) -> None:
+def require(ok: bool, name: str, value: object, what: str) -> None:
+    """ValueError naming the argument, what it should be and what it was, unless ``ok``
+    (the planner's and the predictor's argument checks)."""
     if not ok:
         raise ValueError(f"{name}: expected {what}, got {value!r}")
 
@@ -241,26 +243,26 @@ def plan(
     replaces ``insert_rate`` for the tiers it names: where returning traffic dominates, each
     tier's window is its capacity over its own placement rate.
     """
-    _check(gpu_tokens >= 0, "gpu_tokens", gpu_tokens, "a non-negative number of tokens")
-    _check(host_tokens >= 0, "host_tokens", host_tokens, "a non-negative number of tokens")
-    _check(l3_tokens is None or l3_tokens >= 0, "l3_tokens", l3_tokens, "None or a non-negative number of tokens")
-    _check(0 < insert_rate < math.inf, "insert_rate", insert_rate, "a positive number of tokens/s")
-    _check(
+    require(gpu_tokens >= 0, "gpu_tokens", gpu_tokens, "a non-negative number of tokens")
+    require(host_tokens >= 0, "host_tokens", host_tokens, "a non-negative number of tokens")
+    require(l3_tokens is None or l3_tokens >= 0, "l3_tokens", l3_tokens, "None or a non-negative number of tokens")
+    require(0 < insert_rate < math.inf, "insert_rate", insert_rate, "a positive number of tokens/s")
+    require(
         not isinstance(bytes_per_token, bool) and isinstance(bytes_per_token, int) and bytes_per_token > 0,
         "bytes_per_token", bytes_per_token, "a positive integer",
     )
-    _check(0 <= prefix_tokens < math.inf, "prefix_tokens", prefix_tokens, "a non-negative number")
-    _check(
+    require(0 <= prefix_tokens < math.inf, "prefix_tokens", prefix_tokens, "a non-negative number")
+    require(
         0 <= recompute_s_per_token < math.inf, "recompute_s_per_token", recompute_s_per_token, "a non-negative number",
     )
-    _check(host_read_bytes_per_s > 0, "host_read_bytes_per_s", host_read_bytes_per_s, "a positive number")
-    _check(l3_read_bytes_per_s > 0, "l3_read_bytes_per_s", l3_read_bytes_per_s, "a positive number")
-    _check(0 < target_hit_share < 1, "target_hit_share", target_hit_share, "a share in (0, 1)")
+    require(host_read_bytes_per_s > 0, "host_read_bytes_per_s", host_read_bytes_per_s, "a positive number")
+    require(l3_read_bytes_per_s > 0, "l3_read_bytes_per_s", l3_read_bytes_per_s, "a positive number")
+    require(0 < target_hit_share < 1, "target_hit_share", target_hit_share, "a share in (0, 1)")
 
     rates = {t: insert_rate for t in TIERS}
     for tier, rate in (tier_rates or {}).items():
-        _check(tier in rates, "tier_rates", tier, f"one of {TIERS}")
-        _check(0 < rate < math.inf, f"tier_rates[{tier}]", rate, "a positive number of tokens/s")
+        require(tier in rates, "tier_rates", tier, f"one of {TIERS}")
+        require(0 < rate < math.inf, f"tier_rates[{tier}]", rate, "a positive number of tokens/s")
         rates[tier] = rate
     windows = {
         "device": gpu_tokens / rates["device"],
@@ -387,7 +389,7 @@ def _parser() -> argparse.ArgumentParser:
     rate = _number(positive=True, finite=True)
     bandwidth = _number(positive=True, finite=False)
     p = argparse.ArgumentParser(
-        prog="python -m sglang_tierstore.plan",
+        prog="python -m sglang_tierstore.tools.plan",
         description="Predict which HiCache tier serves returning prefixes, and size L3 for a target hit share.",
     )
     size = p.add_mutually_exclusive_group(required=True)

@@ -1,0 +1,53 @@
+"""The package's layout as docs/design.md states it, checked on the source: the runtime SGLang
+loads (adapter and engine) never imports the operator tools, and a tool loads only what it
+needs. Imports are read from the syntax tree, every one of them: inside functions and under
+``TYPE_CHECKING`` too, since each is an edge a reader or a later change follows."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "sglang_tierstore"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path) -> set[str]:
+    """The package's modules ``path`` imports anywhere in it, relative imports resolved."""
+    here = module_name(path).split(".")
+    package = here if path.name == "__init__.py" else here[:-1]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join([*package[: len(package) - node.level + 1], *([base] if base else [])])
+            found.add(base)
+            found |= {f"{base}.{a.name}" for a in node.names}
+    modules = {module_name(p) for p in PACKAGE.rglob("*.py")}
+    return {m for m in found if m in modules}
+
+
+def test_the_runtime_never_imports_the_tools() -> None:
+    runtime = [p for p in PACKAGE.rglob("*.py")  # (__main__ is ``python -m sglang_tierstore``: the CLI)
+               if "tools" not in p.relative_to(PACKAGE).parts and p.name != "__main__.py"]
+    assert len(runtime) > 10
+    bad = {module_name(p): sorted(m for m in imports(p) if m.startswith("sglang_tierstore.tools")) for p in runtime}
+    assert {k: v for k, v in bad.items() if v} == {}
+
+
+def test_a_tool_loads_neither_redis_nor_torch_unless_it_needs_them() -> None:
+    """The planner is arithmetic: importing it must not start the engine's imports (the
+    package's ``__init__`` exports lazily)."""
+    code = ("import sys, sglang_tierstore.tools.plan, sglang_tierstore.tools.predict; "
+            "bad = [m for m in ('redis', 'torch', 'sglang', 'sglang_tierstore.store') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
