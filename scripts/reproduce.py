@@ -524,18 +524,22 @@ def engine_problem(measuring: bool) -> Optional[str]:
     root = Path(engine).resolve().parent.parent
     if root != ROOT:
         return f"the engine imported is {root}'s, not this checkout's ({ROOT})"
-    return helper_problem(Path(helper) if helper else None, ROOT / "sglang_tierstore" / "_pageio.c") if measuring else None
+    return helper_problem(Path(helper) if helper else None, HELPER_SOURCES) if measuring else None
 
 
-def helper_problem(built: Optional[Path], source: Path) -> Optional[str]:
+HELPER_SOURCES = tuple(ROOT / "sglang_tierstore" / n for n in ("_pageio.c", "_exchange.c"))  # pyproject's ext-modules
+
+
+def helper_problem(built: Optional[Path], sources: Sequence[Path]) -> Optional[str]:
     """Why the C helper the engine loaded (``built``, None where it loaded none) is not the
-    one ``source`` builds, or None: the engine runs without it where it was never built, and
-    an old build keeps loading after the source changes. Built before the source's last
-    change means built from older source (a checkout's files are as new as the checkout)."""
+    one ``sources`` build, or None: the engine runs without it where it was never built, and
+    an old build keeps loading after a source changes. Built before a source's last change
+    means built from older source (a checkout's files are as new as the checkout)."""
     if built is None:
         return "the engine's C helper (_pageio) is not built, so pages would move from Python"
-    if built.stat().st_mtime < source.stat().st_mtime:
-        return f"the engine's C helper {built.name} was built before {source.name} last changed"
+    for source in sources:
+        if built.stat().st_mtime < source.stat().st_mtime:
+            return f"the engine's C helper {built.name} was built before {source.name} last changed"
     return None
 
 

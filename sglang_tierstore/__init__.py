@@ -30,7 +30,8 @@ _EXPORTS = {
     "TierStoreBackend": "adapter",
     "TierStoreConfig": "config",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = ["ConfigError", "EmbeddedRedisError", "IndexUnavailable", "PageIOError", "TierStore", "TierStoreBackend",
+           "TierStoreConfig", "TierStoreError"]
 
 
 def __getattr__(name: str) -> Any:

@@ -7,11 +7,7 @@
  * I/O thread has claimed in one release of the GIL, checking the caller's stop flags between
  * operations, so a claim costs one hand-over however many pages it moves.
  *
- * exchange() is the other way round: a short index round trip (a probe's HMGET) sent and, where
- * the reply comes within a bound, read without letting the GIL go, as a stat() of SGLang's
- * file backend all but always is back before anyone takes it. Its send and its wait for the reply would each hand the
- * GIL to a thread spinning in Python and wait for it back (a switch interval, 5 ms), which
- * a request waiting for its prefetch probe pays in full.
+ * exchange(), an index round trip held the same way, is in _exchange.c (the same module).
  *
  * The checksum is xxh3-64 computed by the functions of the xxhash package that
  * pagefile.checksum calls, resolved from its extension module when this one is imported:
@@ -25,11 +21,9 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
-#include <poll.h>
 #include <stdint.h>
-#include <sys/socket.h>
+#include <sys/socket.h> /* MSG_DONTWAIT and MSG_NOSIGNAL: whether _exchange.c builds exchange() */
 #include <sys/uio.h>
-#include <time.h>
 #include <unistd.h>
 
 enum { OP_READ = 0, OP_WRITE = 1, OP_HASH = 2, OP_SKIP = 3 };
@@ -340,93 +334,16 @@ static int bind_xxhash(void) {
     return 0;
 }
 
+
 #if defined(MSG_DONTWAIT) && defined(MSG_NOSIGNAL)
-PyDoc_STRVAR(exchange_doc,
-"exchange(fd, request, wait_ns) -> (sent, reply)\n\n"
-"Send request on the connected socket fd, then wait up to wait_ns for its reply and read what\n"
-"has come by then, all without releasing the GIL (the thread sleeps in ppoll meanwhile, its\n"
-"core free for the server that answers). sent: the bytes sent (fewer than the request's where\n"
-"the socket buffer filled: the caller sends the rest, and then reads the whole reply); reply:\n"
-"the bytes read (empty if none came in time, or the peer closed). OSError on a failed send,\n"
-"poll or recv.");
-
-static long long now_ns(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
-}
-
-static PyObject *exchange(PyObject *self, PyObject *args) {
-    int fd, ready = 0;
-    Py_buffer req;
-    long long wait_ns, end, left;
-    Py_ssize_t sent = 0, got = 0, cap = 4096;
-    char *buf;
-    PyObject *out;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "iy*L", &fd, &req, &wait_ns))
-        return NULL;
-    while (sent < req.len) {
-        ssize_t n = send(fd, (const char *)req.buf + sent, (size_t)(req.len - sent), MSG_DONTWAIT | MSG_NOSIGNAL);
-        if (n >= 0)
-            sent += n;
-        else if (errno == EAGAIN || errno == EWOULDBLOCK)
-            break;
-        else if (errno != EINTR) {
-            PyBuffer_Release(&req);
-            return PyErr_SetFromErrno(PyExc_OSError);
-        }
-    }
-    if (sent < req.len) {
-        PyBuffer_Release(&req);
-        return Py_BuildValue("(ny#)", sent, "", (Py_ssize_t)0);
-    }
-    PyBuffer_Release(&req);
-    struct pollfd p = {fd, POLLIN, 0};
-    end = now_ns() + wait_ns;
-    while ((left = end - now_ns()) > 0) {
-        struct timespec t = {(time_t)(left / 1000000000LL), (long)(left % 1000000000LL)};
-        ready = ppoll(&p, 1, &t, NULL);
-        if (ready > 0)
-            break;
-        if (ready < 0 && errno != EINTR)
-            return PyErr_SetFromErrno(PyExc_OSError);
-    }
-    if (ready <= 0)
-        return Py_BuildValue("(ny#)", sent, "", (Py_ssize_t)0);
-    if (!(buf = PyMem_Malloc((size_t)cap)))
-        return PyErr_NoMemory();
-    do { /* what has come, read until the deadline at most: the rest is the caller's to read */
-        ssize_t n;
-        if (got == cap) {
-            char *more = PyMem_Realloc(buf, (size_t)cap * 2);
-            if (!more) {
-                PyMem_Free(buf);
-                return PyErr_NoMemory();
-            }
-            buf = more;
-            cap *= 2;
-        }
-        n = recv(fd, buf + got, (size_t)(cap - got), MSG_DONTWAIT);
-        if (n > 0)
-            got += n;
-        else if (n == 0 || errno == EAGAIN || errno == EWOULDBLOCK)
-            break; /* all there is for now (or the peer closed: the caller's next read says so) */
-        else if (errno != EINTR) {
-            PyMem_Free(buf);
-            return PyErr_SetFromErrno(PyExc_OSError);
-        }
-    } while (now_ns() < end);
-    out = Py_BuildValue("(ny#)", sent, buf, got);
-    PyMem_Free(buf);
-    return out;
-}
+PyObject *pageio_exchange(PyObject *self, PyObject *args); /* _exchange.c */
+extern const char pageio_exchange_doc[];
 #endif
 
 static PyMethodDef methods[] = {
     {"transfer", transfer, METH_VARARGS, transfer_doc},
 #if defined(MSG_DONTWAIT) && defined(MSG_NOSIGNAL)
-    {"exchange", exchange, METH_VARARGS, exchange_doc},
+    {"exchange", pageio_exchange, METH_VARARGS, pageio_exchange_doc},
 #endif
     {NULL, NULL, 0, NULL},
 };

@@ -44,7 +44,7 @@ from urllib.parse import quote
 import xxhash
 
 from sglang_tierstore.errors import EmbeddedNotStarted, EmbeddedRedisError
-from sglang_tierstore.index import password_state, shutdown_unprotected
+from sglang_tierstore.index.admin import password_state, shutdown_unprotected
 from sglang_tierstore.perms import (
     PRIVATE,
     Modes,

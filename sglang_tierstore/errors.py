@@ -46,7 +46,7 @@ class StoreDirsUnavailable(StoreUnavailable):
 
 
 class IndexRefusesUser(TierStoreError, PermissionError):
-    """The index refuses this user a command its ACL lacks (``sglang_tierstore.index.acl_rule``
+    """The index refuses this user a command its ACL lacks (``sglang_tierstore.index.acl.acl_rule``
     lists what tierstore sends): a start-up that meets it stops, naming the rule; a call
     answers misses and failed writes, counted under ``kind``, until an operator grants it."""
 

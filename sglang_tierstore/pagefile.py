@@ -33,8 +33,6 @@ was built with its C helper (``_pageio``), and run by run from Python where it w
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import errno
 import json
 import mmap
@@ -48,15 +46,13 @@ import xxhash
 
 from sglang_tierstore import _native  # the C helper, looked up on each use (tests take it away)
 from sglang_tierstore.errors import FileGone, PageIOError
+from sglang_tierstore.filesystem import cached_range, drop_cached, fallocate, fsid, shared_fs
 from sglang_tierstore.perms import PRIVATE, Modes, create_file
 from sglang_tierstore.schema import ALIGN, HEADER_BYTES
 
 MARKER = "store.json"  # a store directory's own marker (written by space.attach)
 
 MAGIC = "tierstore-pages"
-_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 _FILE_RE = re.compile(r"^f(\d{6,})\.pages$")
 
 READ, WRITE, HASH = 0, 1, 2  # what a Transfer does (the C helper's numbers)
@@ -155,14 +151,14 @@ class PageFiles:
         attaching); ``read_only``: files are opened for reading only (an operator's tool,
         which may read a store it may not write), and anything that would change one is a
         PageIOError. ``shared``: the directories are on a filesystem other nodes write too
-        (None: detected, :func:`shared_fs`): buffered reads drop the range from the page
+        (None: detected, :func:`.filesystem.shared_fs`): buffered reads drop the range from the page
         cache first (another node may have rewritten it), and :meth:`read_uncached` is there
         for a page that fails its checksum."""
         self.shared = any(shared_fs(d) for d in dirs.values()) if shared is None else shared
         self.modes = modes
         self.identity = dict(identity)
         self.dirs = dict(dirs)
-        self._fsids = {d: _fsid(p) for d, p in self.dirs.items()}  # each directory's filesystem, as seen at start
+        self._fsids = {d: fsid(p) for d, p in self.dirs.items()}  # each directory's filesystem, as seen at start
         self.o_direct = o_direct and hasattr(os, "O_DIRECT")
         self.read_only = read_only
         self._open: dict[int, _Open] = {}
@@ -226,7 +222,7 @@ class PageFiles:
         except (OSError, ValueError):
             return False
         return (isinstance(doc, dict) and doc.get("store") == self.identity.get("store") and doc.get("dir") == dir_id
-                and _fsid(d) == self._fsids.get(dir_id))
+                and fsid(d) == self._fsids.get(dir_id))
 
     def heartbeat(self) -> None:
         """Touch each store directory's own marker: a store in use shows a recent time there,
@@ -401,17 +397,15 @@ class PageFiles:
     def allocate(self, ref: FileRef, offset: int, nbytes: int) -> None:
         """Give a range of a file disk space (it was a hole)."""
         self._writable(f"cannot allocate space in page file {ref.number}")
-        with self._using(ref) as h:  # fallocate(2), not posix_fallocate: no emulation writing zeros
-            if _libc.fallocate(h.fd, 0, offset, nbytes) != 0:  # mode 0: the file grows to hold it
-                e = ctypes.get_errno()
+        with self._using(ref) as h:
+            if e := fallocate(h.fd, offset, nbytes):
                 raise PageIOError(e, f"cannot allocate {nbytes} bytes at {offset} in {h.path}: {os.strerror(e)}")
 
     def punch(self, ref: FileRef, offset: int, nbytes: int) -> None:
         """Return a range's disk space (it became a hole)."""
         self._writable(f"cannot punch page file {ref.number}")
         with self._using(ref) as h:
-            if _libc.fallocate(h.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, nbytes) != 0:
-                e = ctypes.get_errno()
+            if e := fallocate(h.fd, offset, nbytes, punch=True):
                 raise PageIOError(e, f"cannot punch {nbytes} bytes at {offset} out of {h.path}: {os.strerror(e)}")
 
     # -- I/O ---------------------------------------------------------------------------
@@ -450,7 +444,7 @@ class PageFiles:
                     calls.append((_SKIP, -1, 0, (), (), 0, 0))
                     continue
                 fd = h.dfd if op.aligned and h.dfd >= 0 else h.fd
-                lo, n = _cached_range(op.offset, op.nbytes) if op.kind == READ and self.shared and fd == h.fd else (0, 0)
+                lo, n = cached_range(op.offset, op.nbytes) if op.kind == READ and self.shared and fd == h.fd else (0, 0)
                 paths[i] = h.path
                 calls.append((op.kind, fd, op.offset, op.bufs, op.spans, lo, n))
             done = helper.transfer(calls, stop)
@@ -492,7 +486,7 @@ class PageFiles:
             fd = h.dfd if aligned and h.dfd >= 0 else h.fd
             try:
                 if self.shared and fd == h.fd:  # what this node's cache may still hold of it (best effort)
-                    _drop_cached(fd, *_cached_range(offset, nbytes))
+                    drop_cached(fd, *cached_range(offset, nbytes))
                 n = os.preadv(fd, bufs, offset)
             except OSError as e:
                 raise PageIOError(e.errno, f"read at {offset} of {h.path} failed: {e.strerror}") from e
@@ -513,7 +507,7 @@ class PageFiles:
                         return bytes(buf[: min(n, nbytes)])
                     finally:
                         buf.close()
-                _drop_cached(h.fd, *_cached_range(offset, nbytes))
+                drop_cached(h.fd, *cached_range(offset, nbytes))
                 return os.pread(h.fd, nbytes, offset)
             except OSError as e:
                 raise PageIOError(e.errno, f"read at {offset} of {h.path} failed: {e.strerror}") from e
@@ -574,60 +568,3 @@ def _pwritev_all(fd: int, bufs: Sequence[memoryview], off: int, length: int) -> 
         return n
     rest = b"".join(bytes(b) for b in bufs)[n:]
     return n + os.pwrite(fd, rest, off + n)
-
-
-def _fsid(path: str) -> Optional[int]:
-    """The filesystem id of the filesystem holding ``path`` (None if it cannot be read)."""
-    try:
-        return os.statvfs(path).f_fsid
-    except OSError:
-        return None
-
-
-# Filesystems whose files other nodes write too (mountinfo's type): network and cluster
-# filesystems, and FUSE clients of them.
-SHARED_TYPES = frozenset({"nfs", "nfs4", "ceph", "lustre", "9p", "cifs", "smb3", "glusterfs", "gpfs", "beegfs",
-                          "virtiofs", "afs", "ocfs2", "gfs2", "fuse.ceph-fuse", "fuse.juicefs", "fuse.glusterfs",
-                          "fuse.3fs", "fuse.hf3fs", "fuse.sshfs", "fuse.s3fs", "fuse.gcsfuse", "fuse.weka", "wekafs",
-                          "fuse.mountpoint-s3", "fuse.rclone", "fuse.dfuse", "fuse.mfs", "fuse.alluxio-fuse",
-                          "fuse.blobfuse2"})
-
-
-def _cached_range(offset: int, nbytes: int) -> tuple[int, int]:
-    """(offset, length) to drop from the page cache before reading a range: widened to 2 MiB
-    boundaries, as the kernel keeps pages a range only partly covers, or large folios
-    (best effort still: :meth:`PageFiles.read_uncached` reads through O_DIRECT where it can)."""
-    lo = offset // _FOLIO * _FOLIO
-    return lo, (offset + nbytes + _FOLIO - 1) // _FOLIO * _FOLIO - lo
-
-
-def _drop_cached(fd: int, offset: int, nbytes: int) -> None:
-    """Ask the kernel to forget its cached pages of a range (best effort)."""
-    try:
-        os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
-    except OSError:
-        pass
-
-
-_FOLIO = 2 << 20
-
-
-def shared_fs(path: str) -> bool:
-    """Whether ``path`` is on a filesystem other nodes may write (its mount's type, from
-    /proc/self/mountinfo; False where that cannot be read)."""
-    try:
-        with open("/proc/self/mountinfo") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return False
-    real = os.path.realpath(path)
-    best, fstype = "", ""
-    for ln in lines:
-        head, _, tail = ln.partition(" - ")
-        parts = head.split()
-        if len(parts) < 5 or not tail:
-            continue
-        mnt = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), parts[4])  # mountinfo's octal escapes
-        if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
-            best, fstype = mnt, tail.split()[0]
-    return fstype in SHARED_TYPES

@@ -25,7 +25,7 @@ from pools import fill, mha_pool, page_bytes, page_indices, storage_config
 
 from sglang_tierstore import ConfigError, TierStoreBackend, TierStoreError
 from sglang_tierstore.tools import inspect
-from sglang_tierstore.index import ACL_COMMANDS, acl_rule
+from sglang_tierstore.index.acl import ACL_COMMANDS, acl_rule
 from sglang_tierstore.space.library import LIBRARY
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -286,7 +286,7 @@ def test_a_command_denied_inside_a_script_fails_the_call_naming_the_acl_rule(
         pool = mha_pool("page_first")
         be.register_mem_pool_host(pool)
         assert be.batch_set_v1(keys(2, tag="denied"), page_indices([0, 1], pool.page_size)) == [False] * 2
-    assert re.search(r"redis refused this user \(.+\); it needs the ACL rules of sglang_tierstore\.index\.acl_rule"
+    assert re.search(r"redis refused this user \(.+\); it needs the ACL rules of sglang_tierstore\.index\.acl\.acl_rule"
                      r"\(redis_prefix\)", caplog.text)
     assert USER_PW not in caplog.text
     assert [e["object"] for e in denied(admin_of(private_redis))] == ["hincrby"]

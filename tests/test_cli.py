@@ -521,11 +521,11 @@ def test_a_group_member_runs_the_read_only_commands_and_creates_nothing(shared_b
 def test_a_tool_reads_the_index_it_started_once_it_has_loaded(tmp_path: Path) -> None:
     """A restarted Redis answers LOADING while it reads its data (here an RDB file, slowed to
     1 ms a key and answering between every KiB): what ``--start-redis`` waits for
-    (``index.wait_loaded``) before a tool reads it."""
+    (``index.admin.wait_loaded``) before a tool reads it."""
     import redis
 
     from conftest import RedisProc
-    from sglang_tierstore.index import wait_loaded
+    from sglang_tierstore.index.admin import wait_loaded
 
     proc = RedisProc(tmp_path / "r", args=("--key-load-delay", "1000", "--loading-process-events-interval-bytes", "1024"))
     try:

@@ -46,7 +46,7 @@ from engine_kit import MiB, engine, pages, read, views
 
 from sglang_tierstore import ConfigError, TierStoreConfig
 from sglang_tierstore.errors import TierStoreError
-from sglang_tierstore.index import acl_rule
+from sglang_tierstore.index.acl import acl_rule
 from sglang_tierstore.perms import redis_password
 
 ROOT = Path(__file__).resolve().parent.parent

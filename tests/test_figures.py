@@ -28,11 +28,11 @@ MEASURE = re.compile(NUMBER + r"(?:x\b| ?(?:%|ms\b|µs|us\b|ns\b|GB/s|MB/s|bytes
 CONSTANTS: dict[str, set[str]] = {
     "README.md": {"500 ms"},  # the Sentinel test's down-after-milliseconds
     "docs/configuration.md": {"0.62 s"},  # the bound on following TRYAGAIN/CLUSTERDOWN
-    "docs/design.md": {"5 ms", "200 us"},  # Python's switch interval; index.HOLD_NS
+    "docs/design.md": {"5 ms", "200 us"},  # Python's switch interval; index.wire.HOLD_NS
     "docs/loadtest.md": {"10x", "95%"},  # the CPU model's design goal; the interval's level
     "docs/guarantees.md": {"20,000 pages"},  # test_check.py's store
     "docs/operations.md": {"95%", "1000 ms", "100,000 pages", "50,000 pages"},  # interval level, drill timeout, runs' sizes
-    "docs/performance.md": {"95%", "5%", "3%", "10 us", "200 us"},  # the interval's level; targets: eviction, slowdown, per page; index.HOLD_NS
+    "docs/performance.md": {"95%", "5%", "3%", "10 us", "200 us"},  # the interval's level; targets: eviction, slowdown, per page; index.wire.HOLD_NS
     "docs/testing.md": {"10x", "50-80%", "0.2-3 s"},  # a test's bound; the stress run's capacity cuts and Redis downtime
 }
 

@@ -1,4 +1,4 @@
-"""A probe's round trip made holding the GIL (``_pageio.exchange``, ``index._exchange``'s
+"""A probe's round trip made holding the GIL (``_pageio.exchange``, ``index.wire.exchange``'s
 ``hold``): what it sends and reads, on a socket pair and against a real server."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any, Callable
 import pytest
 from conftest import RedisProc
 
-import sglang_tierstore.index as index_mod
+from sglang_tierstore.index import wire
 from sglang_tierstore.errors import IndexUnavailable
 from sglang_tierstore.index import RedisIndex
 
@@ -86,14 +86,14 @@ def test_a_closed_peer_or_socket_is_an_oserror(pair: Any) -> None:
 def counting(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     """The index's calls of the held exchange (the real one runs): request and bytes sent."""
     calls: list[tuple[int, int]] = []
-    real: Callable[..., Any] = index_mod._held_exchange
+    real: Callable[..., Any] = wire._held_exchange
 
     def counted(fd: int, request: bytes, spin_ns: int) -> Any:
         out = real(fd, request, spin_ns)
         calls.append((len(request), out[0]))
         return out
 
-    monkeypatch.setattr(index_mod, "_held_exchange", counted)
+    monkeypatch.setattr(wire, "_held_exchange", counted)
     return calls
 
 
@@ -118,7 +118,7 @@ def test_an_hmget_reads_through_the_held_exchange_what_the_server_holds(tmp_path
         assert idx.hmget([(key, fields[:3] + [b"absent"])]) == [[values[f] for f in fields[:3]] + [None]]
         pool = idx._topology.node_for(key).client.connection_pool
         conn = pool.get_connection()
-        assert index_mod._held(conn)
+        assert wire._held(conn)
         conn._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # the next call's connection
         pool.release(conn)
         some = fields[:3000] + [b"nothing"] * 500  # a request of about 60 KB
@@ -130,7 +130,7 @@ def test_an_hmget_reads_through_the_held_exchange_what_the_server_holds(tmp_path
             assert idx.hmget([(key, some)]) == [[values.get(f) for f in some]]
         finally:
             resume.join()
-        assert len(calls) == 2 and calls[0][0] == calls[0][1] and calls[1][1] < calls[1][0] <= index_mod.HOLD_MAX_BYTES
+        assert len(calls) == 2 and calls[0][0] == calls[0][1] and calls[1][1] < calls[1][0] <= wire.HOLD_MAX_BYTES
         many = fields + [b"nothing"] * 20_000  # about 1.4 MB
         assert idx.hmget([(key, many)]) == [[values.get(f) for f in many]]
         assert len(calls) == 2

@@ -111,13 +111,13 @@ def test_an_argument_redis_cannot_carry_raises_before_anything_is_sent(tmp_path:
 def test_a_request_packs_what_redis_can_carry_and_refuses_the_rest() -> None:
     """What ``_pack`` promises of each argument type: str, bytes, a memoryview, int and
     float go out as their bytes; None, a bool and a bytearray are a DataError."""
-    from sglang_tierstore import index as index_mod
+    from sglang_tierstore.index import wire as wire_mod
 
     wire = b"*6\r\n$3\r\nSET\r\n$1\r\nk\r\n$2\r\nmv\r\n$1\r\nb\r\n$2\r\n12\r\n$3\r\n2.5\r\n"
-    assert index_mod._pack([("SET", "k", memoryview(b"mv"), b"b", 12, 2.5)]) == [wire]
+    assert wire_mod._pack([("SET", "k", memoryview(b"mv"), b"b", 12, 2.5)]) == [wire]
     for bad in (None, True, bytearray(b"v")):
         with pytest.raises(redis.DataError):
-            index_mod._pack([("SET", "k", bad)])
+            wire_mod._pack([("SET", "k", bad)])
 
 
 def test_a_server_without_functions_runs_the_library_as_scripts(tmp_path: Path, server: str) -> None:

@@ -13,6 +13,7 @@ import random
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 from typing import Any, Optional
 
@@ -305,10 +306,16 @@ def test_reproduce_measures_only_with_the_c_helper_built_from_this_source(tmp_pa
     source.write_text("/* source */")
     built.write_bytes(b"")
     os.utime(built, (source.stat().st_mtime - 10,) * 2)
-    assert reproduce.helper_problem(None, source) == "the engine's C helper (_pageio) is not built, so pages would move from Python"
-    assert reproduce.helper_problem(built, source) == "the engine's C helper _pageio.so was built before _pageio.c last changed"
+    assert reproduce.helper_problem(None, [source]) == "the engine's C helper (_pageio) is not built, so pages would move from Python"
+    assert reproduce.helper_problem(built, [source]) == "the engine's C helper _pageio.so was built before _pageio.c last changed"
     os.utime(built, (source.stat().st_mtime + 10,) * 2)
-    assert reproduce.helper_problem(built, source) is None
+    assert reproduce.helper_problem(built, [source]) is None
+    other = tmp_path / "_exchange.c"  # a second source of the same module, changed after the build
+    other.write_text("/* source */")
+    os.utime(other, (built.stat().st_mtime + 10,) * 2)
+    assert reproduce.helper_problem(built, [source, other]) == "the engine's C helper _pageio.so was built before _exchange.c last changed"
+    ext = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["ext-modules"]
+    assert [ROOT / src for m in ext for src in m["sources"]] == list(reproduce.HELPER_SOURCES)  # every source it builds from
 
 
 FAKE_LOADTEST = """

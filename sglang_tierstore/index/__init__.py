@@ -13,30 +13,29 @@ on answering (a batch touching a dead master still answers its other shards: see
 
 Nothing is sent twice after a timeout or a dropped connection (a function whose reply
 was lost may have run). Only replies that prove a command did not run are followed by a
-retry: its library or script not loaded on that node (loaded, then resent), MOVED (the
-slot map is read again), ASK (resent with ASKING to the node named), TRYAGAIN and
-CLUSTERDOWN (resent after a short wait and a new slot map). redis-py's ``RedisCluster``
-is not used: it re-sends whole pipelines after connection errors and timeouts, refuses
-EVALSHA in pipelines, and has one state for all nodes; valkey-glide brings a runtime of
-its own for what is here a slot map and a redirect loop.
+retry: its library or script not loaded on that node (loaded, then resent), and the
+cluster's redirects (:func:`.wire.send`). redis-py's ``RedisCluster`` is not used: it
+re-sends whole pipelines after connection errors and timeouts, refuses EVALSHA in
+pipelines, and has one state for all nodes; valkey-glide brings a runtime of its own for
+what is here a slot map and a redirect loop. Everything that reaches into redis-py's
+connections is :mod:`.wire`; administering one server (the embedded index's password,
+its loading, its shutdown) is :mod:`.admin`.
 
 A library runs as Redis Functions (FCALL) where the server has them, else as one script
 per function (EVALSHA): see :mod:`sglang_tierstore.space.library` for why.
 
 A Redis shared with others can give tierstore an ACL user of its own that may touch only
-its keys with only the commands it sends (:func:`acl_rule`), and be reached over TLS
+its keys with only the commands it sends (:func:`.acl.acl_rule`), and be reached over TLS
 (``rediss://`` with :class:`~sglang_tierstore.perms.TlsFiles`).
 """
 
 from __future__ import annotations
 
 import hashlib
-import socket
 import time as mod_time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
-import hiredis
 import redis
 
 from sglang_tierstore.errors import (ConfigError, IndexRefusesUser, IndexRefusesWrites, IndexUnavailable, StoreDetached,
@@ -52,36 +51,12 @@ from sglang_tierstore.index.topology import (
     open_topology,
     spread_suffixes,
 )
-from sglang_tierstore._native import pageio
 from sglang_tierstore.perms import TlsFiles
-from sglang_tierstore.schema import STALE, key_globs
+from sglang_tierstore.index import wire
+from sglang_tierstore.index.wire import CLUSTER_BUSY, LINK_ERRORS, REDIRECTS, Command, Item
+from sglang_tierstore.schema import STALE
 
-# a round trip holding the GIL (see _exchange); without the C helper every round trip lets it go
-_held_exchange: Optional[Callable[[int, bytes, int], tuple[int, bytes]]] = getattr(pageio, "exchange", None)
-
-__all__ = ["ACL_COMMANDS", "ClusterSeeds", "Library", "RedisIndex", "SentinelGroup", "Target", "acl_rule",
-           "password_state", "shutdown_unprotected", "spread_suffixes"]
-
-# Every command tierstore sends, its functions' included (Redis checks the commands a function
-# calls against its caller's ACL too; EVALSHA and SCRIPT LOAD for servers without functions;
-# CLUSTER SLOTS/SHARDS, COMMAND and ASKING for a cluster). INFO is left out: only ``memory_used``
-# sends it, for scripts/index_memory.py against an embedded Redis.
-ACL_COMMANDS = (
-    "fcall", "function|load", "evalsha", "script|load", "multi", "exec", "exists", "unlink", "scan", "set", "get", "del",
-    "cluster|slots", "cluster|shards", "command", "asking",
-    "hexists", "hget", "hmget", "hgetall", "hvals", "hlen", "hstrlen", "hscan", "hset", "hsetnx", "hincrby", "hdel",
-    "zadd", "zcard", "zrange", "zrangebyscore", "zscore", "zrem",
-)
-
-
-def acl_rule(prefix: str) -> str:
-    """ACL rules for a Redis user that may do what a tierstore with ``redis_prefix`` needs
-    and nothing else: its keys (:func:`~sglang_tierstore.schema.key_globs`), no channels,
-    the commands in ``ACL_COMMANDS``. For ``ACL SETUSER <name> on >password <rules>``."""
-    keys = " ".join(f"~{g}" for g in key_globs(prefix))
-    commands = " ".join(f"+{c}" for c in ACL_COMMANDS)
-    return f"resetkeys {keys} resetchannels -@all {commands}"
-
+__all__ = ["ClusterSeeds", "Library", "RedisIndex", "SentinelGroup", "Target", "spread_suffixes"]
 
 # Redis 7.0 answers a command a script calls that its caller may not run with a plain
 # error starting so (7.2 and later answer NOPERM, which redis-py raises as NoPermissionError).
@@ -91,64 +66,6 @@ _NOT_SERVING = (redis.exceptions.MasterDownError, redis.exceptions.TryAgainError
 _BUSY = "BUSY"  # a script or function running too long
 # Replies of a server that reads but refuses writes: a replica, a persistence error, too few replicas.
 _READ_ONLY = ("MISCONF", "NOREPLICAS")
-
-
-def password_state(url: str, password: str, timeout_s: float) -> str:
-    """Whether the server at ``url`` guards itself with ``password``: ``ok``; ``unset``
-    when it answers without any (an embedded Redis that a build before passwords
-    started; such a server also accepts any AUTH, so AUTH alone proves nothing);
-    ``refused`` when it wants another; ``down`` when nothing answers. Start-up only."""
-
-    def ping(pw: Optional[str]) -> None:
-        r = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, password=pw)
-        try:
-            r.ping()
-        finally:
-            r.close()
-
-    try:
-        try:
-            ping(None)
-            return "unset"
-        except redis.AuthenticationError:  # NOAUTH: it wants a password
-            ping(password)
-            return "ok"
-    except redis.AuthenticationError:
-        return "refused"
-    except (redis.ConnectionError, redis.TimeoutError, OSError):
-        return "down"
-
-
-def wait_loaded(url: str, timeout_s: float) -> None:
-    """Until the server at ``url`` serves its data, ``timeout_s`` at most: a server that was
-    just started answers LOADING while it reads its AOF. For an operator's tool that started
-    the embedded index and reads it at once (a serving process does not wait: misses until then)."""
-    r = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=None)
-    deadline = mod_time.monotonic() + timeout_s
-    try:
-        while True:
-            try:
-                r.exists("tierstore:loaded?")  # (PING is answered while loading; a key command is not)
-                return
-            except redis.BusyLoadingError:
-                if mod_time.monotonic() > deadline:
-                    return
-                mod_time.sleep(0.05)
-    finally:
-        r.close()
-
-
-def shutdown_unprotected(url: str, timeout_s: float) -> None:
-    """Stop a server that takes no password (it syncs its AOF first, so nothing is lost)."""
-    r = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
-    try:
-        r.shutdown(nosave=True)
-    except (redis.ConnectionError, redis.TimeoutError, OSError):
-        pass  # it closed the connection as it went
-    except redis.RedisError as e:
-        raise TierStoreError(f"redis did not shut down: {e}") from e
-    finally:
-        r.close()
 
 
 @dataclass(frozen=True)
@@ -182,36 +99,6 @@ def _load_functions(r: redis.Redis, code: str) -> None:
     except redis.ResponseError as e:
         if "already exists" not in str(e):  # loaded meanwhile by another process: the same code
             raise
-
-
-Command = tuple[Any, ...]
-# One unit of a round trip: the key that routes it, and its commands, sent together in order
-# (MULTI ... EXEC, or ASKING before a command). Its reply is the last command's, or its first error.
-Item = tuple[str, Sequence[Command]]
-
-_LINK_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
-_REDIRECTS = 5  # MOVED/ASK/TRYAGAIN/CLUSTERDOWN followed at most this often per item
-_SETTLE_S = 0.02  # first wait before resending after TRYAGAIN/CLUSTERDOWN (doubling: 0.62 s in all at most)
-# Replies of a cluster that cannot run a command now, from a healthy node: a slot being
-# migrated with the call's keys split (TRYAGAIN), a slot no master serves (CLUSTERDOWN).
-_CLUSTER_BUSY = (redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError)
-_NONE = object()
-# How long a probe's round trip waits for its reply holding the GIL (see _exchange): a local
-# index answers an HMGET of a batch in tens of us; past this bound the wait lets the GIL go.
-HOLD_NS = 200_000
-HOLD_MAX_BYTES = 65536  # a larger request (a batch of thousands of keys) goes the usual way
-_LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
-
-
-def _pack(commands: Sequence[Command]) -> list[bytes]:
-    """One node's pipelined request, in hiredis's packer: arguments are str, bytes, a
-    memoryview (its bytes), int or float (redis-py's own packer checks and converts each one
-    in Python, which on a write cost more than the rest of the call). Anything else (None, a
-    bool, a bytearray) raises ``redis.DataError``, before any request of the round trip is sent."""
-    try:
-        return [b"".join([hiredis.pack_command(tuple(c)) for c in commands])]
-    except TypeError as e:
-        raise redis.DataError(str(e)) from None
 
 
 class RedisIndex:
@@ -257,82 +144,32 @@ class RedisIndex:
             raise IndexUnavailable("the index connection is closed")
 
     def _send(self, items: Sequence[Item], hold: bool = False) -> list[Any]:
-        """Each item's reply, or the exception it ended in (a redis ``ResponseError`` as
-        the server gave it; :class:`IndexUnavailable` for a node that failed or whose
-        breaker is open), in one round trip per try; redirects followed. ``hold``: a
-        short call someone waits for (see :func:`_exchange`)."""
+        """Each item's reply, or the exception it ended in (:func:`.wire.send`)."""
         self._check_open()
-        topo = self._topology
-        out: list[Any] = [None] * len(items)
-        todo = list(range(len(items)))
-        ask: dict[int, Node] = {}
         try:
-            for attempt in range(_REDIRECTS + 1):
-                topo.refresh_if_stale()
-                groups: dict[int, tuple[Node, list[int]]] = {}
-                unmapped = []  # slots the map has no master for (read while the cluster was failing over)
-                for k in todo:
-                    try:
-                        node = ask.get(k) or topo.node_for(items[k][0])
-                    except IndexUnavailable as e:
-                        out[k] = e
-                        unmapped.append(k)
-                        continue
-                    groups.setdefault(id(node), (node, []))[1].append(k)
-                replies = _exchange([(node, [self._commands(items[k], k in ask) for k in ks]) for node, ks in groups.values()],
-                                    hold)
-                retry, settle = list(unmapped), bool(unmapped)
-                ask = {}
-                for (node, ks), got in zip(groups.values(), replies):
-                    for k, o in zip(ks, got):
-                        out[k] = o
-                        if isinstance(o, (redis.exceptions.MovedError, redis.exceptions.AskError)):
-                            # an empty host: the node that replied; '?': not known to it (the map is read again)
-                            host = o.host or node.name.rsplit(":", 1)[0]
-                            if host == "?":
-                                topo.failed()
-                            elif isinstance(o, redis.exceptions.MovedError):
-                                topo.moved(o.slot_id, host, int(o.port))
-                            else:
-                                ask[k] = topo.node_at(host, int(o.port))
-                        elif isinstance(o, _CLUSTER_BUSY):
-                            settle = True
-                            topo.failed()
-                        else:
-                            continue
-                        retry.append(k)
-                if not retry or attempt == _REDIRECTS:
-                    break
-                if settle:
-                    mod_time.sleep(_SETTLE_S * (1 << attempt))
-                todo = retry
+            return wire.send(self._topology, items, hold)
         finally:
             if self._closed:  # closed while this ran: the connections it used (or opened) go too
-                topo.close()
-        return out
-
-    @staticmethod
-    def _commands(item: Item, asking: bool) -> Sequence[Command]:
-        return [("ASKING",), *item[1]] if asking else item[1]
+                self._topology.close()
 
     def _translate(self, o: Any, key: Optional[str]) -> Any:
         """A reply as the caller sees it: a redis error becomes the TierStoreError saying
         what it means (opening the breaker of its node for a server that cannot serve)."""
         if not isinstance(o, Exception) or isinstance(o, TierStoreError):
             return o
-        if isinstance(o, _LINK_ERRORS):
+        if isinstance(o, LINK_ERRORS):
             return IndexUnavailable(f"{self.name}: {o}")
         msg = str(o)
         if isinstance(o, redis.exceptions.NoPermissionError) or msg.startswith(_SCRIPT_DENIED):
             return IndexRefusesUser(f"redis refused this user ({msg}); it needs the ACL rules of "
-                                    "sglang_tierstore.index.acl_rule(redis_prefix)")
+                                    "sglang_tierstore.index.acl.acl_rule(redis_prefix)")
         if msg.startswith(STALE):
             return StoreDetached("the store is not in the index any more (dropped, or the index was lost)")
         if isinstance(o, redis.exceptions.OutOfMemoryError):  # reads go on: no breaker
             return IndexRefusesWrites(f"the index is full (maxmemory, noeviction): writes refused: {msg}", "index_full")
         if isinstance(o, redis.exceptions.ReadOnlyError) or msg.startswith(_READ_ONLY):
             return IndexRefusesWrites(f"the index refuses writes: {msg}", "index_read_only")
-        if isinstance(o, _CLUSTER_BUSY):  # the node is fine: no breaker
+        if isinstance(o, CLUSTER_BUSY):  # the node is fine: no breaker
             return IndexUnavailable(f"{self.name}: the cluster cannot serve this now ({msg})")
         if isinstance(o, _NOT_SERVING) or msg.startswith(_BUSY):
             if key is not None:
@@ -345,7 +182,7 @@ class RedisIndex:
             return ConfigError(f"tierstore config key 'redis_url': {self.name} names a database the server does not "
                                f"have ({msg})")
         if isinstance(o, (redis.exceptions.MovedError, redis.exceptions.AskError)):
-            return IndexUnavailable(f"{self.name}: still redirected after {_REDIRECTS} tries ({msg})")
+            return IndexUnavailable(f"{self.name}: still redirected after {REDIRECTS} tries ({msg})")
         return TierStoreError(f"redis error: {msg}")
 
     def _each(self, items: Sequence[Item], hold: bool = False) -> list[Any]:
@@ -452,7 +289,7 @@ class RedisIndex:
     def hmget_each(self, parts: Sequence[tuple[str, Sequence[bytes]]]) -> list[Any]:
         """As :meth:`hmget`, each hash's values or the TierStoreError reading it ended in.
         A probe or a read waits for it: sent to one local node, a short request's reply is
-        waited for holding the GIL (see :func:`_exchange`)."""
+        waited for holding the GIL (see :func:`.wire.exchange`)."""
         asked = [k for k, (_, fields) in enumerate(parts) if fields]
         out: list[Any] = [[] for _ in parts]
         got = self._each([(parts[k][0], [("HMGET", parts[k][0], *parts[k][1])]) for k in asked], hold=True) if asked else []
@@ -530,11 +367,11 @@ class RedisIndex:
             raise IndexUnavailable(f"{node.name}: unavailable (backing off after a failure)")
         try:
             return fn(node.client)
-        except _LINK_ERRORS as e:
+        except LINK_ERRORS as e:
             node.trip()
             raise IndexUnavailable(f"{node.name}: {e}") from e
         except redis.ResponseError as e:
-            if isinstance(e, _NOT_SERVING) and not isinstance(e, _CLUSTER_BUSY):
+            if isinstance(e, _NOT_SERVING) and not isinstance(e, CLUSTER_BUSY):
                 node.trip()
             raise self._translate(e, None) from e
 
@@ -552,100 +389,3 @@ def _pairs(flat: Any) -> dict[bytes, bytes]:
     return dict(zip(flat[::2], flat[1::2]))
 
 
-def _held(conn: Any) -> bool:
-    """Whether a connection's round trip can be made by ``_pageio.exchange``: a plain socket
-    (not TLS) to this machine (a Unix socket, or loopback: a remote index rarely answers
-    within ``HOLD_NS``, and the scheduler would lose the wait for nothing) whose replies
-    hiredis parses (fed what it read)."""
-    sock = getattr(conn, "_sock", None)
-    return (type(sock) is socket.socket
-            and (sock.family == socket.AF_UNIX or getattr(conn, "host", None) in _LOOPBACK)
-            and isinstance(getattr(getattr(conn, "_parser", None), "_reader", None), hiredis.Reader))
-
-
-def _exchange(groups: Sequence[tuple[Node, Sequence[Sequence[Command]]]], hold: bool = False) -> list[list[Any]]:
-    """One round trip to several nodes: every node's pipelined request is written before
-    any reply is read. Per node, each item's reply (its last command's, or its first
-    error); a node whose breaker is open, or that fails, gives every item of its group
-    :class:`IndexUnavailable` (and opens its breaker). Nothing is retried.
-
-    ``hold``, to one node over a connection :func:`_held` accepts, with a request of at most
-    ``HOLD_MAX_BYTES``: the request is sent, and its reply read as far as it comes within
-    ``HOLD_NS``, without letting the GIL go. Each send and wait that lets it go beside a
-    thread spinning in Python (SGLang's scheduler) waits a switch interval (5 ms) to take it
-    back: for a prefetch probe, which a request waits for, that is most of its time. The
-    scheduler loses about ``HOLD_NS`` at most instead (and a reply still not in then is
-    read as any other, letting the GIL go)."""
-    out: list[list[Any]] = []
-    sent: list[tuple[int, Node, Any, Sequence[Sequence[Command]]]] = []
-    requests = [_pack([c for cmds in items for c in cmds]) for _, items in groups]  # DataError here
-    try:
-        for (node, items), request in zip(groups, requests):
-            if not node.available:
-                out.append([IndexUnavailable(f"{node.name}: unavailable (backing off after a failure)")] * len(items))
-                continue
-            pool = node.client.connection_pool
-            conn = None
-            try:
-                conn = pool.get_connection()
-                exchange = _held_exchange if hold and len(groups) == 1 and len(request[0]) <= HOLD_MAX_BYTES else None
-                if exchange is not None and _held(conn):
-                    n, early = exchange(conn._sock.fileno(), request[0], HOLD_NS)
-                    if n < len(request[0]):
-                        conn._sock.sendall(memoryview(request[0])[n:])
-                    elif early:
-                        conn._parser._reader.feed(early)
-                else:
-                    conn.send_packed_command(request, check_health=False)
-            except _LINK_ERRORS as e:
-                out.append([_failed(node, pool, conn, e)] * len(items))
-                continue
-            except redis.ResponseError as e:  # refused while connecting (AUTH, SELECT of a database it lacks)
-                out.append([e] * len(items))
-                continue
-            except BaseException:
-                if conn is not None:
-                    conn.disconnect()
-                    pool.release(conn)
-                raise
-            out.append([])
-            sent.append((len(out) - 1, node, conn, items))
-    except BaseException:  # what was sent may have run: its connections are dropped, its replies never read
-        for _, node, conn, _ in sent:
-            conn.disconnect()
-            node.client.connection_pool.release(conn)
-        raise
-    for n, (slot, node, conn, items) in enumerate(sent):
-        pool = node.client.connection_pool
-        try:
-            for cmds in items:
-                reply: Any = _NONE
-                for _ in cmds:
-                    try:
-                        r = conn.read_response()
-                    except redis.ResponseError as e:
-                        r = e
-                    if not isinstance(reply, Exception):  # an item's first error is its reply
-                        reply = r
-                out[slot].append(reply)
-        except _LINK_ERRORS as e:
-            err = _failed(node, pool, conn, e)
-            out[slot] += [err] * (len(items) - len(out[slot]))
-            continue
-        except BaseException:  # this connection and those not read yet are dropped: their replies stay unread
-            for _, other, c, _ in sent[n:]:
-                c.disconnect()
-                other.client.connection_pool.release(c)
-            raise
-        pool.release(conn)
-    return out
-
-
-
-def _failed(node: Node, pool: Any, conn: Any, e: BaseException) -> IndexUnavailable:
-    """A node that failed mid-exchange: its connection dropped, its breaker opened."""
-    if conn is not None:
-        conn.disconnect()
-        pool.release(conn)
-    node.trip()
-    return IndexUnavailable(f"redis unavailable ({node.name}): {e}")

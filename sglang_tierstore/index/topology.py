@@ -200,7 +200,7 @@ class Cluster(Topology):
                 raw = node.client.execute_command("CLUSTER SLOTS")
             except redis.exceptions.NoPermissionError as e:
                 raise TierStoreError(f"{self.name}: redis refused this user ({e}); it needs the ACL rules of "
-                                     "sglang_tierstore.index.acl_rule(redis_prefix)") from e
+                                     "sglang_tierstore.index.acl.acl_rule(redis_prefix)") from e
             except redis.ResponseError as e:
                 if "cluster support disabled" in str(e).lower():
                     raise ConfigError(f"tierstore config key 'redis_cluster': {node.name} is not a cluster node "

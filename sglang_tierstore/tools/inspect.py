@@ -41,7 +41,7 @@ from typing import Any, Iterator, Optional
 from sglang_tierstore.config import Target, TierStoreConfig, describe_target
 from sglang_tierstore.embedded import ensure_embedded_redis, join_embedded_redis, socket_path
 from sglang_tierstore.errors import IndexUnavailable, NoStore, PageIOError, TierStoreError
-from sglang_tierstore.index import wait_loaded
+from sglang_tierstore.index.admin import wait_loaded
 from sglang_tierstore.pagefile import FileRef, checksum
 from sglang_tierstore.schema import (
     DRAINING,
@@ -155,7 +155,7 @@ def where(store: TierStore, ns: Namespace, key: str) -> Optional[tuple[str, int,
 
 def index_facts(store: TierStore) -> dict[str, Any]:
     """What the index says of the whole store (no process's own counts): usage, page sizes,
-    Redis memory (None where INFO is refused, as the ACL of ``index.acl_rule`` does)."""
+    Redis memory (None where INFO is refused, as the ACL of ``index.acl.acl_rule`` does)."""
     used = usage(store)
     sizes = page_sizes(store)
     try:
