@@ -6,19 +6,13 @@ adapter (which imports SGLang) over the engine (:class:`TierStore`: Redis, xxhas
 standard library); the operator tools (CLI, exporter, checks, planner) are
 :mod:`sglang_tierstore.tools`, which the runtime never imports. Every name below is loaded
 on first use (PEP 562), so importing a submodule, a tool among them, loads only what that
-submodule imports.
+submodule imports (and no module imports its way back here).
 """
 
 from __future__ import annotations
 
 from importlib import import_module
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from sglang_tierstore.adapter import TierStoreBackend
-    from sglang_tierstore.config import TierStoreConfig
-    from sglang_tierstore.errors import ConfigError, EmbeddedRedisError, IndexUnavailable, PageIOError, TierStoreError
-    from sglang_tierstore.store import TierStore
+from typing import Any
 
 _EXPORTS = {
     "ConfigError": "errors",

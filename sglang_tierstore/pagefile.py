@@ -44,7 +44,7 @@ from typing import Iterator, Mapping, NamedTuple, Optional, Sequence, Union
 
 import xxhash
 
-from sglang_tierstore import _native  # the C helper, looked up on each use (tests take it away)
+import sglang_tierstore._native as _native  # the C helper, looked up on each use (tests take it away)
 from sglang_tierstore.errors import FileGone, PageIOError
 from sglang_tierstore.filesystem import cached_range, drop_cached, fallocate, fsid, shared_fs
 from sglang_tierstore.perms import PRIVATE, Modes, create_file

@@ -20,7 +20,7 @@ from typing import Counter as CounterT
 
 import xxhash
 
-from sglang_tierstore import _native
+import sglang_tierstore._native as _native
 from sglang_tierstore.config import Target, TierStoreConfig
 from sglang_tierstore.errors import (
     ConfigError,
@@ -42,14 +42,12 @@ from sglang_tierstore.schema import (
     STORED,
     Entry,
     entry_fields,
-    glob_escape,
-    meta_key,
-    ns_value,
-    parse_ns_value,
     round_up,
     unpack_entry,
 )
-from sglang_tierstore.space import Attachment, Place, Reservation, Space, by_shard
+from sglang_tierstore.space import Space
+from sglang_tierstore.space.attachment import Attachment, Place
+from sglang_tierstore.space.reservation import Reservation
 from sglang_tierstore.space.geometry import slots_per_region
 
 logger = logging.getLogger(__name__)
@@ -172,8 +170,6 @@ class TierStore:
                              "threads once per I/O and per page hashed (reinstall where a C compiler is found)")
         self.space = Space(cfg, self.index, modes(cfg.file_access), secrets.token_hex(6), self.metrics, self.log, clock,
                            observe, page_files)
-        self._namespaces: dict[str, Namespace] = {}
-        self.space.on_attach(self._register_all)
         try:
             if not observe:  # an observer attaches on first use, and hears why it cannot
                 self.space.attached()
@@ -209,12 +205,11 @@ class TierStore:
             raise ValueError(f"page_bytes must be positive, got {page_bytes}")
         ns_id, desc = fingerprint({**fields, "page_bytes": page_bytes, "namespace": self.cfg.namespace})
         ns = Namespace(ns_id.hex(), ns_id, page_bytes, desc)
-        self._namespaces[ns.ns] = ns
-        self.space.expect_pages(page_bytes)
+        self.space.expect(ns.ns, page_bytes, desc)
         try:
             a = self.space.attached()
         except StoreUnavailable:
-            return ns  # registered when the store is attached
+            return ns
         rb = a.geometry.region_bytes
         if slots_per_region(rb, page_bytes) < 1:
             raise ConfigError(
@@ -222,48 +217,13 @@ class TierStore:
                 f"store's region size is fixed when it is created, for its first pages and its capacity_gb): give these "
                 f"pages a store of their own (another redis_prefix), or drop this one (`tierstore drop`) so that the next "
                 f"server creates it for them")
-        try:
-            self._register(a, [ns])
-        except TierStoreError:
-            pass  # registered again on the next attach
         return ns
-
-    def _register_all(self, a: Attachment) -> None:
-        try:
-            self._register(a, list(self._namespaces.values()))
-        except StoreUnavailable as e:  # they are for operators: registered again with the next namespace
-            self.log.warning(e.kind, "recording the namespaces in the index failed: %s", e)
-
-    def _register(self, a: Attachment, namespaces: Sequence[Namespace]) -> None:
-        if namespaces:
-            self.index.hset(meta_key(a.tag, "ns"), {ns.ns: ns_value(ns.page_bytes, ns.description) for ns in namespaces})
 
     def namespaces(self) -> dict[str, tuple[int, str]]:
         """Every namespace the store has seen: id -> (page bytes, the fingerprint's description)."""
-        a = self.space.attached()
-        return {k.decode(): parse_ns_value(v) for k, v in self.index.hgetall(meta_key(a.tag, "ns")).items()}
+        return self.space.attached().namespaces()
 
     # -- probe --------------------------------------------------------------------
-
-    def lookup(self, a: Attachment, fields: Sequence[bytes]) -> list[Optional[bytes]]:
-        """Entry values of fields (any shards) in the store ``a`` is attached to: one round
-        trip (one HMGET per shard)."""
-        shards = a.geometry.shards
-        if shards == 1:
-            return self.index.hmget([(a.key(0, "entries"), fields)])[0]
-        parts = by_shard(fields, shards)
-        got = self.index.hmget_each([(a.key(s, "entries"), [fields[i] for i in idx]) for s, idx in parts.items()])
-        errors = [v for v in got if isinstance(v, Exception)]
-        if errors and (len(errors) == len(got) or any(not isinstance(e, IndexUnavailable) for e in errors)):
-            raise errors[0]
-        out: list[Optional[bytes]] = [None] * len(fields)
-        for s, idx, vals in zip(parts, parts.values(), got):
-            if isinstance(vals, IndexUnavailable):  # that shard's node is down: its pages are misses, the rest answer
-                a.shard_failed(s, vals)
-                continue
-            for i, v in zip(idx, vals):
-                out[i] = v
-        return out
 
     def exists(self, groups: Sequence[tuple[Namespace, Sequence[str]]]) -> list[list[bool]]:
         """Whether each key of each (namespace, keys) group has a committed page: one
@@ -271,7 +231,7 @@ class TierStore:
         present and costs a miss at the read, never a wrong page."""
         a = self.space.attached()
         fields = [f for ns, keys in groups for f in entry_fields(ns.ns_id, keys)]
-        found = self.lookup(a, fields)
+        found = a.lookup(fields)
         out, i = [], 0
         for _, keys in groups:
             out.append([v is not None for v in found[i : i + len(keys)]])
@@ -316,7 +276,7 @@ class TierStore:
         a = self.space.attached()
         g = a.geometry
         fields = entry_fields(ns.ns_id, keys)
-        raws = self.lookup(a, fields)
+        raws = a.lookup(fields)
         lead = next((i for i, v in enumerate(raws) if v is None), len(raws))
         results = [False] * len(keys)
         entries: dict[int, Entry] = {}
@@ -330,7 +290,7 @@ class TierStore:
                 bad.append((fields[i], raw))  # not an entry this store can have written
                 self.metrics.error("corrupt")
                 continue
-            if not a.tags.valid(fields[i], raw):
+            if not a.verified(fields[i], raw):
                 bad.append((fields[i], raw))
                 self.metrics.error("forged")
                 self.log.warning("forged", "entry of page %s has a tag this store did not make (written or moved in "
@@ -338,19 +298,19 @@ class TierStore:
                 continue
             entries[i] = e
         at = g.places([(e.region, e.slot) for e in entries.values()], ns.page_bytes)
-        refs = a.files.refs({f for f, _ in at})
+        refs = a.refs({f for f, _ in at})
         pages = [Place(i, refs[f], off) for i, (f, off) in zip(entries, at) if f in refs]
         runs = self._runs(pages, ns.page_bytes, len(dests[0]) if dests else 1)
         read_runs = self._read_staged if self.cfg.read_timeout_s else self._read_direct
         for k, o in read_runs(a, runs, dests, ns.page_bytes, aligned).items():
             run = runs[k]
             if isinstance(o, BaseException):
-                a.files.failure("io_read", run[0].file.number, o)
+                a.io_failed("io_read", run[0].file.number, o)
                 continue
             for p, sum_read in zip(run, o):
                 if sum_read == entries[p.pos].checksum or self._reread(a, p, dests[p.pos], entries[p.pos], ns.page_bytes):
                     results[p.pos] = True
-                elif a.files.current(p.file.number):
+                elif a.current(p.file.number):
                     raw = raws[p.pos]
                     assert raw is not None
                     bad.append((fields[p.pos], raw))
@@ -372,10 +332,10 @@ class TierStore:
         node's page cache (another node may have rewritten the slot since this node cached
         it); True, with ``dest`` filled, if it verifies now. Not with ``read_timeout_s``: this
         read runs in the caller's thread, which the deadline bounds."""
-        if not a.pages.shared or self.cfg.read_timeout_s:
+        if not a.shared or self.cfg.read_timeout_s:
             return False
         try:
-            raw = a.pages.read_uncached(p.file, p.offset, page_bytes)
+            raw = a.read_uncached(p.file, p.offset, page_bytes)
         except PageIOError:
             return False
         if len(raw) != page_bytes or checksum([memoryview(raw)]) != e.checksum:
@@ -392,7 +352,7 @@ class TierStore:
         more (starting no more): none lands in ``dests`` after ``read``."""
         ops = [Transfer(READ, run[0].file, run[0].offset, [m for p in run for m in dests[p.pos]], len(run) * page_bytes,
                         aligned, [page_bytes] * len(run)) for run in runs]
-        with self.io.submit(a.pages.transfer, ops, _run_bytes(runs, page_bytes)) as batch:
+        with self.io.submit(a.transfer, ops, _run_bytes(runs, page_bytes)) as batch:
             return batch.wait()
 
     def _read_staged(self, a: Attachment, runs: list[Run], dests: Sequence[Regions], page_bytes: int,
@@ -411,7 +371,7 @@ class TierStore:
         def read_run(run: Run) -> list[int]:
             n = len(run) * page_bytes
             buf = self.io.staging.buffer(n)
-            [sums] = a.pages.transfer([Transfer(READ, run[0].file, run[0].offset, [buf], n, aligned, [page_bytes] * len(run))])
+            [sums] = a.transfer([Transfer(READ, run[0].file, run[0].offset, [buf], n, aligned, [page_bytes] * len(run))])
             if isinstance(sums, Exception):
                 raise sums
             if gate.enter():  # else given up: the bytes stay in this thread's staging buffer, and nobody
@@ -489,7 +449,7 @@ class TierStore:
                outcomes: CounterT[str]) -> list[bool]:
         pb = ns.page_bytes
         fields = entry_fields(ns.ns_id, keys)
-        with a.reserve(pb, fields, outcomes) as res:
+        with Reservation(a, pb, fields, outcomes) as res:
             runs = self._runs(list(res.places), pb, len(srcs[0]))
             units: list[Run] = []  # the run each op writes (a piece of) or hashes
             ops: list[Transfer] = []
@@ -508,7 +468,7 @@ class TierStore:
 
             timeout = self.cfg.write_timeout_s
             deadline = mod_time.monotonic() + timeout if timeout else None
-            batch = self.io.submit(a.pages.transfer, ops, len(res.places) * pb // max(1, len(ops)), inline=not timeout,
+            batch = self.io.submit(a.transfer, ops, len(res.places) * pb // max(1, len(ops)), inline=not timeout,
                                    write=True)
             try:
                 finished = batch.wait(deadline)
@@ -525,7 +485,7 @@ class TierStore:
                 if o is _LATE:
                     late += len(run) * (run[0].pos not in failed)
                 elif isinstance(o, BaseException) and run[0].pos not in failed:
-                    a.files.failure("io_write", run[0].file.number, o)  # once per run, however many pieces failed
+                    a.io_failed("io_write", run[0].file.number, o)  # once per run, however many pieces failed
                 elif isinstance(o, list):
                     sums.update(zip((p.pos for p in run), o))
                 if o is _LATE or isinstance(o, BaseException):
@@ -538,7 +498,7 @@ class TierStore:
                                  "or I/O threads stuck on one): not stored", late, timeout)
             written = [p.pos for p in res.places if p.pos not in failed]
             slots = res.slots
-            tails = dict(zip(written, a.tags.tails([fields[i] for i in written],
+            tails = dict(zip(written, a.tails([fields[i] for i in written],
                                                    [(slots[i].region, slots[i].gen, slots[i].slot, sums[i]) for i in written])))
             status = res.commit(written, tails, self.cfg.fsync == "commit")
         stored = sum(1 for s in status.values() if s == STORED)
@@ -552,19 +512,7 @@ class TierStore:
     def clear(self, namespaces: Sequence[Namespace]) -> int:
         """Drop every page of these namespaces; returns how many. Streams the entries
         (HSCAN, bounded steps): O(pages) Redis work."""
-        a = self.space.attached()
-        n = 0
-        for ns_id in {x.ns_id for x in namespaces}:
-            pattern = glob_escape(ns_id) + b"*"
-            for s in range(a.geometry.shards):
-                key = a.key(s, "entries")
-                cursor = 0
-                while True:
-                    cursor, chunk = self.index.hscan(key, cursor, 1000, match=pattern)
-                    n += a.drop([(f, b"") for f in chunk if f.startswith(ns_id)])
-                    if cursor == 0:
-                        break
-        return n
+        return self.space.attached().clear(x.ns_id for x in namespaces)
 
     def delete(self, ns: Namespace, keys: Sequence[str]) -> int:
         """Drop these pages (their slots are dead until their region is reclaimed);

@@ -51,3 +51,50 @@ def test_a_tool_loads_neither_redis_nor_torch_unless_it_needs_them() -> None:
             "bad = [m for m in ('redis', 'torch', 'sglang', 'sglang_tierstore.store') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_no_module_imports_its_way_back_to_itself() -> None:
+    """The package is layered (docs/design.md): following imports from any module never
+    leads back to it, with ``TYPE_CHECKING`` and function-level imports counted."""
+    graph = {module_name(p): imports(p) for p in PACKAGE.rglob("*.py")}
+    cycles = [sorted(c) for c in strongly_connected(graph) if len(c) > 1]  # (a package importing its own submodule names itself)
+    assert cycles == []
+
+
+def test_no_module_is_over_600_lines() -> None:
+    sizes = {module_name(p): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
+    assert {m: n for m, n in sizes.items() if n > 600} == {}
+
+
+def strongly_connected(graph: dict[str, set[str]]) -> list[set[str]]:
+    """Tarjan's strongly connected components of ``graph`` (node -> successors)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[set[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = set()
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.add(w)
+                if w == v:
+                    break
+            out.append(comp)
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out

@@ -20,6 +20,7 @@ from pools import fill, keys, mha_pool, mla_pool, page_bytes, page_indices, stor
 from sglang_tierstore import TierStoreBackend
 from sglang_tierstore.tools import inspect
 from sglang_tierstore.schema import entry_field, entry_fields, unpack_entry
+from sglang_tierstore.space.reservation import Reservation
 
 HANG_S = 30.0
 
@@ -142,7 +143,7 @@ def test_uncommitted_write_is_invisible_and_its_slots_reclaimed(cfg: dict[str, A
         ns = dying.namespace({"m": 1}, 65536)
         ks, src = keys(2), pages(2, 65536, 4)
         a = dying.space.attached()
-        with a.reserve(ns.page_bytes, entry_fields(ns.ns_id, ks), Counter()) as res:
+        with Reservation(a, ns.page_bytes, entry_fields(ns.ns_id, ks), Counter()) as res:
             assert len(res.places) == 2
             for place in res.places:
                 a.pages.write(place.file, place.offset, [memoryview(src[place.pos])], ns.page_bytes, False)

@@ -28,6 +28,7 @@ from sglang_tierstore import TierStore
 from sglang_tierstore.tools import inspect
 from sglang_tierstore.schema import entry_fields
 from sglang_tierstore.store import Namespace
+from sglang_tierstore.space.reservation import Reservation
 
 KiB = 1 << 10
 PAGE_SIZES = [4 * KiB, 12 * KiB, 20000]
@@ -130,7 +131,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         proc = self.procs.pop(p % len(self.procs))
         ns = self.ns(proc, n)
         a = proc.space.attached()
-        with a.reserve(ns.page_bytes, entry_fields(ns.ns_id, [KEYS[k] for k in ks]), Counter()) as res:
+        with Reservation(a, ns.page_bytes, entry_fields(ns.ns_id, [KEYS[k] for k in ks]), Counter()) as res:
             for place in res.places:
                 if write:
                     a.pages.write(place.file, place.offset, [memoryview(b"\xee" * ns.page_bytes)], ns.page_bytes, False)

@@ -25,25 +25,23 @@ Shards
 
 Rooms: :mod:`.attach` (which store a path belongs to), :mod:`.leases` (writers' slots),
 :mod:`.files` (page files' lives), :mod:`.housekeeping` (when background work runs).
-This module joins them: :class:`Space` attaches, detaches and closes; an
-:class:`Attachment` reserves slots for a write (adding page files and giving fresh
-regions disk space itself), commits them, takes recency, and drops pages. The page
-files layer below is handed a file ref with each call and never calls back up.
+:class:`Space` (here) attaches, detaches and closes; an :class:`~.attachment.Attachment`
+owns the store's keys for the layers above (entries, namespaces, recency) and drops pages;
+a :class:`~.reservation.Reservation` leases slots for a write (adding page files and
+giving fresh regions disk space itself) and commits them. The page files layer below is
+handed a file ref with each call and never calls back up.
 """
 
 from __future__ import annotations
 
 import threading
 import time as mod_time
-from typing import Callable, Iterable, Mapping, NamedTuple, Optional, Sequence, Type
-from typing import Counter as CounterT
+from typing import Callable, Optional, Type
 
 from sglang_tierstore.config import TierStoreConfig
 from sglang_tierstore.errors import (
     IndexRefusesWrites,
-    IndexUnavailable,
     NoStoreYet,
-    PageIOError,
     StoreClosed,
     StoreDetached,
     StoreUnavailable,
@@ -51,262 +49,14 @@ from sglang_tierstore.errors import (
 )
 from sglang_tierstore.index import RedisIndex
 from sglang_tierstore.metrics import Metrics, RateLimitedLog
-from sglang_tierstore.pagefile import FileRef, PageFiles
+from sglang_tierstore.pagefile import PageFiles
 from sglang_tierstore.perms import Modes
-from sglang_tierstore.schema import NOT_STORED, shard_key, shard_of
-from sglang_tierstore.space import attach
-from sglang_tierstore.space.attach import Home
-from sglang_tierstore.space.files import Files
-from sglang_tierstore.space.geometry import Geometry, check_capacity
+from sglang_tierstore.schema import ns_value
+import sglang_tierstore.space.attach as attach
+from sglang_tierstore.space.attachment import Attachment
+from sglang_tierstore.space.geometry import check_capacity
 from sglang_tierstore.space.housekeeping import Housekeeper
-from sglang_tierstore.space.leases import Commits, Leases, Reply, Slot
 from sglang_tierstore.space.library import LIBRARY
-from sglang_tierstore.tags import EntryTags
-
-LEASE_ROUNDS = 4  # lease calls a reserve may make while it adds page files
-
-
-class Place(NamedTuple):
-    """Where one page of a batch lies: its position in the batch, its file, the byte
-    offset there."""
-
-    pos: int
-    file: FileRef
-    offset: int
-
-
-def by_shard(fields: Sequence[bytes], shards: int) -> dict[int, list[int]]:
-    """Positions of ``fields`` by the shard each belongs to."""
-    if shards == 1:
-        return {0: list(range(len(fields)))} if fields else {}
-    parts: dict[int, list[int]] = {}
-    for i, f in enumerate(fields):
-        parts.setdefault(shard_of(f, shards), []).append(i)
-    return parts
-
-
-class Reservation:
-    """Slots for one write batch, held by this thread from :meth:`Attachment.reserve` to
-    :meth:`commit` (use it as a context manager: housekeeping then knows the writer is
-    busy). Pages it has no place for (every region pinned, pages larger than a region)
-    are not stored. Slots it placed and that no commit published or gave up stay in the
-    writer's lease: the next call answers them back into the stock. Why each page it did
-    not store was not stored goes into ``outcomes`` (the caller counts them)."""
-
-    def __init__(self, a: "Attachment", page_bytes: int, fields: Sequence[bytes], outcomes: CounterT[str]) -> None:
-        self._a = a
-        self.page_bytes = page_bytes
-        self.fields = fields
-        self.outcomes = outcomes
-        self.parts = by_shard(fields, a.geometry.shards)
-        self.places: list[Place] = []  # the pages placed, in batch order
-        self.slots: dict[int, Slot] = {}  # batch position -> slot, placed or not
-        self._lock = a.leases.writing()
-
-    def __enter__(self) -> "Reservation":
-        self._lock.acquire()
-        try:
-            self._place()
-        except BaseException:
-            self._lock.release()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._lock.release()
-
-    def _place(self) -> None:
-        a, pb = self._a, self.page_bytes
-        failed = a.fill_stock(pb, {s: len(idx) for s, idx in self.parts.items()})
-        slots: dict[int, Slot] = {}
-        for s, idx in self.parts.items():
-            slots.update(zip(idx, a.leases.take(s, pb, len(idx))))
-        unreached = sum(len(self.parts[s]) for s in failed)  # counted as their shard's failure
-        at = dict(zip(slots, a.geometry.places([(sl.region, sl.slot) for sl in slots.values()], pb)))
-        refs = a.files.refs({f for f, _ in at.values()})
-        for i, (f, offset) in at.items():
-            if f in refs:  # the rest (a file not ready any more): given up at commit
-                self.places.append(Place(i, refs[f], offset))
-        self.slots = slots
-        self.outcomes["unreached"] += unreached
-        self.outcomes["file_unready"] += len(slots) - len(self.places)
-        full = len(self.fields) - len(slots) - unreached
-        if full > 0:
-            self.outcomes["too_big" if pb > a.geometry.region_bytes else "full"] += full
-            a.log.warning("full", "no slot for %d page(s) of %d bytes (every region pinned by writers, or pages larger "
-                          "than the store's %d-byte regions)", full, pb, a.geometry.region_bytes)
-
-    def commit(self, written: Iterable[int], tails: Mapping[int, bytes], sync: bool) -> dict[int, int]:
-        """Publish the pages at these positions (their pwritevs returned), with their
-        entry tails; every other placed page is given up. A file deleted or replaced
-        under the batch takes no commits; with ``sync`` each file written is
-        fdatasync'ed first. One ``commit`` call per shard, in one round trip. Returns
-        each committed position's status (STORED, EXISTS, NOT_STORED)."""
-        a = self._a
-        files = {p.pos: p.file for p in self.places}
-        ok = set(written) & files.keys()
-        checked = len(ok)
-        for ref in {files[i] for i in ok}:
-            try:
-                a.pages.still_there(ref.number)
-                if sync:
-                    a.pages.sync(ref)
-            except PageIOError as e:
-                a.files.failure("io_write", ref.number, e)
-                ok -= {i for i in ok if files[i] == ref}
-        self.outcomes["file_gone"] += checked - len(ok)
-        slots = self.slots
-        calls = []
-        for s, idx in self.parts.items():
-            done = sorted((i for i in idx if i in ok), key=slots.__getitem__)  # runs of slots
-            commits = Commits([slots[i] for i in done], [self.fields[i] for i in done], [tails[i] for i in done])
-            give_up = sorted(slots[i] for i in idx if i in slots and i not in ok)
-            a.leases.batch_of(s, self.page_bytes, len(idx))
-            calls.append((s, done, commits, give_up, a.leases.stock_target(s, self.page_bytes, a.capacity)))
-        try:
-            replies = a.leases.commit(self.page_bytes, [(s, c, gu, want) for s, _, c, gu, want in calls])
-        except IndexUnavailable:
-            for s in self.parts:
-                a.leases.forget_stock(s)  # the next call answers the lease as Redis has it
-            raise
-        status: dict[int, int] = {}
-        for (s, done, _, _, _), rep in zip(calls, replies):
-            if isinstance(rep, IndexUnavailable):
-                a.shard_failed(s, rep)
-                self.outcomes["unreached"] += len(done)
-                continue
-            status.update(zip(done, rep.status))
-            self.outcomes["refused"] += rep.status.count(NOT_STORED)  # lease lost, or its region reclaimed
-            a.settled(rep)
-        return status
-
-
-class Attachment:
-    """One attachment to a store: what every call works against until the store goes
-    (then :class:`Space` attaches anew and this one answers nothing more)."""
-
-    def __init__(self, home: Home, index: RedisIndex, cfg: TierStoreConfig, modes: Modes, token: str,
-                 clock: Callable[[], float], metrics: Metrics, log: RateLimitedLog, page_files: Type[PageFiles],
-                 read_only: bool = False, on_use: Callable[[], None] = lambda: None) -> None:
-        """``on_use`` is called with every batch read or written (housekeeping wakes)."""
-        self.home = home
-        self.on_use = on_use
-        self.geometry: Geometry = home.geometry
-        self.tag = home.tag
-        self.index = index
-        self.capacity = home.capacity  # the store's; replies from the index keep it current
-        self.clock = clock
-        self.metrics = metrics
-        self.log = log
-        self.tags = EntryTags(home.entry_key)
-        self.pages = page_files(home.file_identity(), home.dirs, cfg.o_direct, modes, read_only, cfg.shared_fs)
-        self.leases = Leases(index, home, ",".join(home.dirs), cfg.lease_s, token, clock)
-        self.files = Files(index, home, self.pages, self.leases, metrics, log, clock, cfg.write_timeout_s)
-        self._touch: dict[int, dict[int, float]] = {}
-        self._lock = threading.Lock()
-
-    def shard_keys(self, shard: int) -> list[str]:
-        """Every key of a shard, in the order its functions take them."""
-        return self.home.shard_keys(shard)
-
-    def key(self, shard: int, name: str) -> str:
-        """One key of a shard by its name in ``schema.SHARD_KEYS``."""
-        return shard_key(self.home.shard_tags[shard], name)
-
-    # -- writes ------------------------------------------------------------------------
-
-    def reserve(self, page_bytes: int, fields: Sequence[bytes], outcomes: CounterT[str]) -> Reservation:
-        """Slots for a batch of pages of this size (``with a.reserve(...) as r:``),
-        leased, consecutive where the stock is: a page file is added where no region is
-        left without one, and fresh regions get their disk space, here. Pages not stored
-        are counted in ``outcomes`` by why."""
-        self.on_use()
-        return Reservation(self, page_bytes, fields, outcomes)
-
-    def fill_stock(self, page_bytes: int, need: Mapping[int, int]) -> set[int]:
-        """Make this thread's stock hold ``need[shard]`` slots of this size where it can:
-        one lease call for every short shard; more only to add page files. Returns the
-        shards whose calls failed (their nodes are down) while others answered, counted
-        and logged; raises the first IndexUnavailable when every shard of the batch failed."""
-        failed: dict[int, IndexUnavailable] = {}
-        self._lease_rounds(page_bytes, need, failed)
-        if failed and len(failed) == len(need):
-            raise next(iter(failed.values()))
-        for s, e in failed.items():
-            self.shard_failed(s, e)
-        return set(failed)
-
-    def _lease_rounds(self, page_bytes: int, need: Mapping[int, int], failed: dict[int, IndexUnavailable]) -> None:
-        for _ in range(LEASE_ROUNDS):
-            short = {s: n for s, n in need.items() if s not in failed and self.leases.stocked(s, page_bytes) < n}
-            if not short:
-                return
-            retry = False
-            for s, rep in self.leases.lease(page_bytes, short).items():
-                if isinstance(rep, IndexUnavailable):
-                    failed[s] = rep
-                    continue
-                self.settled(rep)
-                if rep.too_big:  # its pages get no slot: counted by the reservation, as each unstored page is
-                    return
-                if rep.need_file:
-                    self.files.add(s)
-                    retry = True
-            if not retry:
-                return
-
-    def shard_failed(self, shard: int, e: IndexUnavailable) -> None:
-        """A shard's call failed while others answered (its node is down: a cluster master):
-        counted and logged; its pages are misses or not stored."""
-        self.metrics.error(e.kind)
-        self.log.warning(f"shard_{e.kind}", "index shard %d failed (%s): its pages are misses or not stored; the other "
-                         "shards go on", shard, e)
-
-    def settled(self, rep: Reply) -> None:
-        """After a lease or commit call: count its evictions, give its fresh regions space."""
-        self.metrics.housekeeping("evicted", rep.evicted)
-        self.metrics.housekeeping("pages_evicted", rep.pages_evicted)
-        self.files.allocate(rep.fresh)
-
-    # -- pages -------------------------------------------------------------------------
-
-    def touch(self, regions: Iterable[int]) -> None:
-        """These regions were just used: their recency goes to the index with the next
-        housekeeping pass (one ZADD XX GT per shard)."""
-        self.on_use()
-        now = self.clock()
-        g = self.geometry
-        with self._lock:
-            for r in regions:
-                self._touch.setdefault(g.shard_of_region(r), {})[r] = now
-
-    def flush_touches(self) -> None:
-        with self._lock:
-            pending, self._touch = self._touch, {}
-        for shard, regions in pending.items():
-            self.index.zadd_newer(self.key(shard, "lru"), regions)
-
-    def drop(self, entries: Sequence[tuple[bytes, bytes]], shard: Optional[int] = None) -> int:
-        """Drop (entry field, value seen or b'': any) pairs whose entry still holds that
-        value; their slots are dead. One ``drop`` call per shard (each field's own, or the
-        one ``shard`` named: where check() found the entry); returns how many."""
-        if shard is not None:
-            parts = {shard: list(range(len(entries)))} if entries else {}
-        else:
-            parts = by_shard([f for f, _ in entries], self.geometry.shards)
-        calls = [("drop", self.shard_keys(s), [self.geometry.store_id, *(x for i in idx for x in entries[i])])
-                 for s, idx in parts.items()]
-        return sum(int(n) for n in self.index.calls(calls)) if calls else 0
-
-    def close(self) -> int:
-        """Send the last recency updates, give idle leases back and close the page files;
-        the number of leases kept (a writer mid-batch: they expire)."""
-        try:
-            self.flush_touches()
-            return self.leases.release_all()
-        finally:
-            self.files.close()
-            self.pages.close()
 
 
 def _not_attached(e: StoreUnavailable) -> StoreUnavailable:
@@ -327,7 +77,7 @@ class Space:
                  page_files: Type[PageFiles] = PageFiles) -> None:
         """``observe``: an operator's tool, which joins the store as it is and writes
         nothing on disk (:func:`attach.observe`); else a serving process, which adopts the
-        store or creates it once it knows its pages (:meth:`expect_pages`,
+        store or creates it once it knows its pages (:meth:`expect`,
         :func:`attach.attach`). ``page_files``: the class that moves bytes (tests inject
         one that fails or waits)."""
         self.cfg = cfg
@@ -349,23 +99,29 @@ class Space:
         self._closed = False
         self._retry_at = -float("inf")  # after an attach that could not be done, when to try again
         self._failure: StoreUnavailable = StoreUnavailable("not attached yet")  # the last attach's
-        self._listeners: list[Callable[[Attachment], None]] = []
+        self._namespaces: dict[str, str] = {}  # this process's: id -> schema.ns_value, recorded on every attach
 
     def used(self) -> None:
         """A batch was read or written."""
         self.activity += 1
         self.housekeeping.wake()
 
-    def on_attach(self, fn: Callable[[Attachment], None]) -> None:
-        """Call ``fn`` with every new attachment (the store registers its namespaces)."""
-        self._listeners.append(fn)
-
-    def expect_pages(self, page_bytes: int) -> None:
-        """Pages of this size will be stored: a store this process creates from now on
-        holds them (and the next call tries to attach at once)."""
+    def expect(self, ns_id: str, page_bytes: int, description: str) -> None:
+        """A namespace whose pages will be stored: recorded in the index for operators
+        (now where attached, and on every attach), and a store this process creates from
+        now on holds its pages (the next call tries to attach at once)."""
+        self._namespaces[ns_id] = ns_value(page_bytes, description)
         if self.largest_page is None or page_bytes > self.largest_page:
             self.largest_page = page_bytes
             self._retry_at = -float("inf")
+        if self._att is not None:
+            self._register(self._att)
+
+    def _register(self, a: Attachment) -> None:
+        try:
+            a.register(dict(self._namespaces))
+        except TierStoreError as e:  # they are for operators: recorded again with the next namespace or attach
+            self.log.warning("namespaces", "recording the namespaces in the index failed: %s", e)
 
     def attached(self) -> Attachment:
         """The store this process works on, attaching first if needed.
@@ -404,8 +160,8 @@ class Space:
         self._first = False
         a = Attachment(home, self.index, cfg, self.modes, self._token, self.clock, self.metrics, self.log,
                        self._page_files, read_only=self.observe, on_use=self.used)
-        for fn in self._listeners:
-            fn(a)
+        if not self.observe:
+            self._register(a)
         return a
 
     def detach(self, e: StoreDetached, a: Optional[Attachment] = None) -> None:
@@ -413,8 +169,7 @@ class Space:
         current); the next call attaches again."""
         with self._lock:
             if self._att is not None and (a is None or self._att is a):
-                self._att.files.close()
-                self._att.pages.close()
+                self._att.close_files()
                 self._att = None
         self.metrics.error("store_detached")
         self.log.warning("detached", "%s; attaching again", e)

@@ -30,7 +30,7 @@ from sglang_tierstore.index import RedisIndex
 from sglang_tierstore.metrics import Metrics, RateLimitedLog
 from sglang_tierstore.pagefile import FileRef, PageFiles
 from sglang_tierstore.schema import CREATING, LOST, READY, FileRecord, parse_file_record, shard_key
-from sglang_tierstore.space import attach
+import sglang_tierstore.space.attach as attach
 from sglang_tierstore.space.attach import Home
 from sglang_tierstore.space.leases import Leases
 

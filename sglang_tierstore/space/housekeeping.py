@@ -23,13 +23,14 @@ pass that takes a tenth of that hot), so an idle store wakes once a ``lease_s``,
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional, Protocol
 
+from sglang_tierstore.config import TierStoreConfig
 from sglang_tierstore.errors import IndexUnavailable, NoStoreYet, StoreDetached, StoreUnavailable, TierStoreError
+from sglang_tierstore.index import RedisIndex
 from sglang_tierstore.io_engine import name_os_thread
-
-if TYPE_CHECKING:
-    from sglang_tierstore.space import Attachment, Space
+from sglang_tierstore.metrics import Metrics, RateLimitedLog
+from sglang_tierstore.space.attachment import Attachment
 
 MAX_WORK = 256  # regions or leases handled per shard and call: bounds each call
 IDLE_BACKOFF = 4  # each idle pass waits this many times longer than the last (a read or write wakes it)
@@ -37,10 +38,25 @@ IDLE_MAX_S = 5.0  # idle this long, a process gives its leases back; till then i
 DIR_RETIRE_LEASES = 10  # a directory no process reported for this many lease_s is forgotten
 
 
+class Kept(Protocol):
+    """What housekeeping needs of the space it keeps (:class:`sglang_tierstore.space.Space`)."""
+
+    cfg: TierStoreConfig
+    index: RedisIndex
+    metrics: Metrics
+    log: RateLimitedLog
+    clock: Callable[[], float]
+    activity: int
+
+    def attached(self) -> Attachment: ...
+
+    def detach(self, e: StoreDetached, a: Optional[Attachment] = None) -> None: ...
+
+
 class Housekeeper:
     """One space's housekeeping: :meth:`run_once`, and a daemon thread that calls it."""
 
-    def __init__(self, space: "Space") -> None:
+    def __init__(self, space: Kept) -> None:
         self.space = space
         self._on_index_down: Optional[Callable[[], None]] = None
         self._stop = threading.Event()
@@ -70,7 +86,7 @@ class Housekeeper:
         trouble ends the pass (logged); nothing raises. Whether there was anything to do
         (pages read or written since the last pass, work done, or trouble)."""
         space = self.space
-        a: Optional["Attachment"] = None
+        a: Optional[Attachment] = None
         seen = space.activity
         try:
             a = space.attached()
@@ -121,7 +137,7 @@ class Housekeeper:
             self._backing_off = False
             self._wake.set()
 
-    def sweep(self, a: "Attachment", release_idle: bool = False) -> int:
+    def sweep(self, a: Attachment, release_idle: bool = False) -> int:
         """One sweep call per shard, then the stocks tidied (``release_idle``: every lease
         not writing given back); the regions and leases handled in all."""
         space, leases, g = self.space, a.leases, a.geometry

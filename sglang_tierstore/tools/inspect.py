@@ -59,7 +59,7 @@ from sglang_tierstore.schema import (
     unpack_region,
 )
 from sglang_tierstore.perms import modes
-from sglang_tierstore.space import Attachment
+from sglang_tierstore.space.attachment import Attachment
 from sglang_tierstore.space.geometry import Geometry, slots_per_region
 from sglang_tierstore.store import Namespace, TierStore
 
@@ -142,7 +142,7 @@ def pages_by_namespace(store: TierStore) -> dict[str, int]:
 def where(store: TierStore, ns: Namespace, key: str) -> Optional[tuple[str, int, int]]:
     """(page file path, byte offset, region) of a committed page, or None."""
     a = store.space.attached()
-    raw = store.lookup(a, [entry_field(ns.ns_id, key)])[0]
+    raw = a.lookup([entry_field(ns.ns_id, key)])[0]
     if raw is None:
         return None
     e = unpack_entry(raw)
