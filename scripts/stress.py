@@ -385,8 +385,9 @@ class Phases:
     are lost, as everywhere in this run)."""
 
     CAUSES = ("full", "too_big", "unreached", "file_unready", "io_error", "io_timeout", "file_gone", "refused", "detached")
-    # pages of write calls that raised (IndexUnavailable): counted by the store, never offered in the tally
-    FIELDS = ("pages_stored", "pages_not_stored", "write_raised", *(f"write_{c}" for c in CAUSES))
+    # pages of write calls that raised (IndexUnavailable, or no store attached): counted by the store,
+    # never offered in the tally
+    FIELDS = ("pages_stored", "pages_not_stored", "write_raised", "write_not_attached", *(f"write_{c}" for c in CAUSES))
 
     def __init__(self) -> None:
         self.totals = {p: Counter[str]() for p in PHASES}
@@ -415,7 +416,7 @@ class Phases:
             causes = {k: c[f"write_{k}"] for k in self.CAUSES}
             out[p] = {"seconds": round(self.seconds[p], 1), "pages_offered": offered,
                       "not_stored": c["pages_not_stored"], "causes": causes, "no_slot": causes["full"],
-                      "raised": c["write_raised"],
+                      "raised": c["write_raised"] + c["write_not_attached"],
                       "unattributed": c["pages_not_stored"] - sum(causes.values()),
                       "no_slot_share": round(causes["full"] / offered, 5) if offered else None}
         return out

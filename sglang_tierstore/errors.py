@@ -81,6 +81,13 @@ class NoStore(TierStoreError, LookupError):
     the store they name (an operator's tool found nothing and created nothing)."""
 
 
+class AttachBusy(StoreUnavailable):
+    """Another process is attaching to the store (it holds the attach lock): this one
+    answers misses and tries again at its next housekeeping pass."""
+
+    kind = "attach_busy"
+
+
 class NoStoreYet(StoreUnavailable):
     """No store yet: a serving process creates it once it knows the size of the pages it
     will hold (its first namespace)."""

@@ -172,7 +172,7 @@ class TierStore:
                            observe, page_files)
         try:
             if not observe:  # an observer attaches on first use, and hears why it cannot
-                self.space.attached()
+                self.space.attach()
         except NoStoreYet:
             pass  # created with the first namespace
         except StoreUnavailable as e:
@@ -207,7 +207,7 @@ class TierStore:
         ns = Namespace(ns_id.hex(), ns_id, page_bytes, desc)
         self.space.expect(ns.ns, page_bytes, desc)
         try:
-            a = self.space.attached()
+            a = self.space.attach()  # (a store is created once its pages are known)
         except StoreUnavailable:
             return ns
         rb = a.geometry.region_bytes
@@ -221,7 +221,7 @@ class TierStore:
 
     def namespaces(self) -> dict[str, tuple[int, str]]:
         """Every namespace the store has seen: id -> (page bytes, the fingerprint's description)."""
-        return self.space.attached().namespaces()
+        return self.space.attach().namespaces()
 
     # -- probe --------------------------------------------------------------------
 
@@ -429,7 +429,11 @@ class TierStore:
         t0 = mod_time.perf_counter()
         outcomes: CounterT[str] = Counter()  # one per page: stored, exists, or why not
         try:
-            a = self.space.attached()
+            try:
+                a = self.space.attached()
+            except StoreUnavailable:
+                outcomes["not_attached"] += len(keys)
+                raise
             try:
                 results = self._write(a, ns, keys, srcs, aligned, outcomes)
             except StoreDetached as e:
@@ -512,7 +516,7 @@ class TierStore:
     def clear(self, namespaces: Sequence[Namespace]) -> int:
         """Drop every page of these namespaces; returns how many. Streams the entries
         (HSCAN, bounded steps): O(pages) Redis work."""
-        return self.space.attached().clear(x.ns_id for x in namespaces)
+        return self.space.attach().clear(x.ns_id for x in namespaces)  # (an operator's: SGLang's clear endpoint)
 
     def delete(self, ns: Namespace, keys: Sequence[str]) -> int:
         """Drop these pages (their slots are dead until their region is reclaimed);

@@ -76,7 +76,7 @@ def housekeep(store: TierStore, audit: bool = True) -> None:
 def sweep_all(store: TierStore) -> None:
     """Sweep every shard until a sweep has less than a call's worth of work left."""
     hk = store.space.housekeeping
-    while hk.sweep(store.space.attached()) >= 256:
+    while hk.sweep(store.space.attach()) >= 256:
         pass
 
 

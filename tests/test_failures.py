@@ -62,9 +62,9 @@ def test_redis_outage_gives_bounded_misses_then_recovers(extra: dict[str, Any], 
 def test_an_index_down_when_a_process_starts_is_index_unavailable_to_every_call(
         extra: dict[str, Any], private_server: RedisProc) -> None:
     """A process (say a worker restarted while Redis restarts) whose first attach finds the
-    index down: every engine call until the retry is due raises IndexUnavailable, the
-    error the engine documents for index trouble (not a bare StoreUnavailable), and once
-    Redis answers again the calls work."""
+    index down: every engine call raises IndexUnavailable at once, the error the engine
+    documents for index trouble (not a bare StoreUnavailable), and once Redis answers again
+    housekeeping attaches and the calls work."""
     from engine_kit import engine, pages, views
 
     from sglang_tierstore import IndexUnavailable
@@ -76,6 +76,7 @@ def test_an_index_down_when_a_process_starts_is_index_unavailable_to_every_call(
     first.close()
     private_server.kill()
     st = engine(cfg)
+    st.start_housekeeping()
     try:
         ns = st.namespace({"m": "down"}, 4096)
         for call in (lambda: st.write(ns, keys(2), views(pages(2, 4096, 1)), False),

@@ -21,6 +21,7 @@ from engine_kit import MiB, engine, housekeep, pages, read, views
 from sglang_tierstore import TierStore
 from sglang_tierstore.tools import inspect
 from sglang_tierstore.schema import entry_fields, shard_of
+from sglang_tierstore.space.attach import lock_key
 from sglang_tierstore.space.library import LIBRARY
 
 # Commands the functions may issue, all with exactly one key, right after the command name.
@@ -90,6 +91,7 @@ def workload(st: TierStore, later: list[float], tmp: str) -> None:
     housekeep(st)
     inspect.check(st, fix=True)
     st.clear([ns])
+    assert not st.index.extend_if(lock_key(st.cfg.redis_prefix), "not its holder", 1000)  # (an attach renews past RENEW_S)
 
 
 @pytest.mark.parametrize("shards", [1, 2])

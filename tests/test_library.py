@@ -40,7 +40,7 @@ def test_the_library_is_every_lua_file_after_the_generated_prelude() -> None:
     assert LUA_FILES == ("core", "regions", "leases", "writes", "sweep", "files", "inspect", "lock")
     assert sorted(LIBRARY.scripts) == sorted(["lease", "commit", "release", "release_draining", "drop", "sweep", "punched",
                                               "add_file", "file_ready", "lose_file", "snapshot_regions",
-                                              "snapshot_entries", "counts", "unlink_members", "unlock"])
+                                              "snapshot_entries", "counts", "unlink_members", "relock", "unlock"])
     assert LIBRARY.code.startswith(f"#!lua name={LIBRARY.name}\n") and re.fullmatch(r"tierstore_[0-9a-f]{12}", LIBRARY.name)
     assert "local K_CONF," in LIBRARY.code  # the generated prelude, then the files
     for name, text in LIBRARY.scripts.items():

@@ -171,8 +171,8 @@ def test_a_full_disk_at_start_comes_up_serving_and_writes_again_when_space_retur
                     filler.unlink()
                     assert b.batch_set_v1(ks[6:], page_indices(range(6, 12), 4)) == [True] * 6
                     assert inspect.check(b.store) == []
-                    time.sleep(0.25)  # past redis_retry_s: the next call attaches, creating the store
-                    assert c.batch_set_v1(ks[:2], page_indices(range(2), 4)) == [True] * 2
+                    until(lambda: c.batch_set_v1(ks[:2], page_indices(range(2), 4)) == [True] * 2,
+                          "housekeeping creating the store once there is room")
                     assert c.batch_get_v1(ks[:2], page_indices(range(40, 42), 4)) == [True] * 2
 
 

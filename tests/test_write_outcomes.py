@@ -1,7 +1,8 @@
 """Every page a write call is given ends in exactly one ``tierstore_pages_total{op="write"}``
 outcome: stored, exists, or the reason it was not stored. An operator (and the stress run)
 can then attribute every page not stored to a cause, with nothing left over. Here: stored,
-exists, io_error, file_gone, io_timeout and raised; full in test_leases.py; the rest
+exists, io_error, file_gone, io_timeout and raised; full in test_leases.py; not_attached in
+test_attach_wait.py; the rest
 (too_big, unreached, file_unready, refused, detached) by the same per-call count."""
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from sglang_tierstore.errors import IndexUnavailable, PageIOError
 from sglang_tierstore.store import TierStore
 
 OUTCOMES = ("stored", "exists", "full", "too_big", "unreached", "file_unready", "io_error", "io_timeout", "file_gone",
-            "refused", "detached", "raised")
+            "refused", "detached", "not_attached", "raised")
 
 
 @pytest.fixture

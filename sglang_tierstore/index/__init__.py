@@ -326,6 +326,10 @@ class RedisIndex:
         """Delete the key if it still holds ``value`` (a lock given back by its holder only)."""
         return bool(self.call("unlock", [key], [value]))
 
+    def extend_if(self, key: str, value: str, ttl_ms: int) -> bool:
+        """Give the key a new expiry if it still holds ``value`` (a lock renewed by its holder only)."""
+        return bool(self.call("relock", [key], [value, ttl_ms]))
+
     def hdel(self, key: str, *fields: str) -> int:
         return int(self._one(key, "HDEL", key, *fields))
 

@@ -89,8 +89,9 @@ class Topology:
     def failed(self) -> None:
         """A node stopped answering: the map is read again before the next round trip."""
 
-    def refresh_if_stale(self) -> None:
-        """Read the map again if something said it changed (rate-limited)."""
+    def refresh_if_stale(self, now: bool = False) -> None:
+        """Read the map again if something said it changed (rate-limited, unless ``now``:
+        a slot it has no master for, which no call can be sent for until it is read)."""
 
     def close(self) -> None:
         for n in self.masters():
@@ -174,9 +175,9 @@ class Cluster(Topology):
     def failed(self) -> None:
         self._stale = True
 
-    def refresh_if_stale(self) -> None:
+    def refresh_if_stale(self, now: bool = False) -> None:
         """One thread reads the map at a time; the others go on with the map they have."""
-        if not (self._stale and self._clock() >= self._next_refresh) or not self._refreshing.acquire(blocking=False):
+        if not (self._stale and (now or self._clock() >= self._next_refresh)) or not self._refreshing.acquire(blocking=False):
             return
         try:
             self.refresh()

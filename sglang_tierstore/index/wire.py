@@ -12,7 +12,6 @@ says whether an installed redis-py has them, as the suite checks on the version 
 from __future__ import annotations
 
 import socket
-import time as mod_time
 from typing import Any, Callable, Optional, Sequence
 
 import hiredis
@@ -31,8 +30,7 @@ Command = tuple[Any, ...]
 Item = tuple[str, Sequence[Command]]
 
 LINK_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
-REDIRECTS = 5  # MOVED/ASK/TRYAGAIN/CLUSTERDOWN followed at most this often per item
-_SETTLE_S = 0.02  # first wait before resending after TRYAGAIN/CLUSTERDOWN (doubling: 0.62 s in all at most)
+REDIRECTS = 5  # MOVED/ASK followed at most this often per item
 # Replies of a cluster that cannot run a command now, from a healthy node: a slot being
 # migrated with the call's keys split (TRYAGAIN), a slot no master serves (CLUSTERDOWN).
 CLUSTER_BUSY = (redis.exceptions.TryAgainError, redis.exceptions.ClusterDownError)
@@ -59,14 +57,16 @@ def send(topo: Topology, items: Sequence[Item], hold: bool = False) -> list[Any]
     """Each item's reply, or the exception it ended in (a redis ``ResponseError`` as the
     server gave it; :class:`IndexUnavailable` for a node that failed or whose breaker is
     open), in one round trip per try (:func:`exchange`); redirects followed: MOVED (the
-    slot map is read again), ASK (resent with ASKING to the node named), TRYAGAIN and
-    CLUSTERDOWN (resent after a short wait and a new slot map). ``hold``: a short call
-    someone waits for (see :func:`exchange`)."""
+    slot map is read again), ASK (resent with ASKING to the node named). TRYAGAIN and
+    CLUSTERDOWN are answered as they are (the slot map is read again for the next call):
+    nothing here sleeps, as a caller may hold a lock an SGLang call waits for.
+    ``hold``: a short call someone waits for (see :func:`exchange`)."""
     out: list[Any] = [None] * len(items)
     todo = list(range(len(items)))
     ask: dict[int, Node] = {}
+    unmapped: list[int] = []
     for attempt in range(REDIRECTS + 1):
-        topo.refresh_if_stale()
+        topo.refresh_if_stale(now=bool(unmapped))
         groups: dict[int, tuple[Node, list[int]]] = {}
         unmapped = []  # slots the map has no master for (read while the cluster was failing over)
         for k in todo:
@@ -79,7 +79,7 @@ def send(topo: Topology, items: Sequence[Item], hold: bool = False) -> list[Any]
             groups.setdefault(id(node), (node, []))[1].append(k)
         replies = exchange([(node, [_commands(items[k], k in ask) for k in ks]) for node, ks in groups.values()],
                            hold)
-        retry, settle = list(unmapped), bool(unmapped)
+        retry = list(unmapped) if attempt == 0 else []  # (the map read again at once, once: see refresh_if_stale)
         ask = {}
         for (node, ks), got in zip(groups.values(), replies):
             for k, o in zip(ks, got):
@@ -93,16 +93,14 @@ def send(topo: Topology, items: Sequence[Item], hold: bool = False) -> list[Any]
                         topo.moved(o.slot_id, host, int(o.port))
                     else:
                         ask[k] = topo.node_at(host, int(o.port))
-                elif isinstance(o, CLUSTER_BUSY):
-                    settle = True
+                elif isinstance(o, CLUSTER_BUSY):  # answered as it is: resent at once it would be again
                     topo.failed()
+                    continue
                 else:
                     continue
                 retry.append(k)
         if not retry or attempt == REDIRECTS:
             break
-        if settle:
-            mod_time.sleep(_SETTLE_S * (1 << attempt))
         todo = retry
     return out
 

@@ -40,6 +40,7 @@ from typing import Callable, Optional, Type
 
 from sglang_tierstore.config import TierStoreConfig
 from sglang_tierstore.errors import (
+    AttachBusy,
     IndexRefusesWrites,
     NoStoreYet,
     StoreClosed,
@@ -69,8 +70,9 @@ def _not_attached(e: StoreUnavailable) -> StoreUnavailable:
 
 
 class Space:
-    """Where bytes may go in the store a process's config names: attached on first use,
-    attached anew when the store goes from the index, and housekept."""
+    """Where bytes may go in the store a process's config names: attached at start (or by
+    housekeeping, while that cannot be done), attached anew when the store goes from the
+    index, and housekept."""
 
     def __init__(self, cfg: TierStoreConfig, index: RedisIndex, modes: Modes, token: str, metrics: Metrics,
                  log: RateLimitedLog, clock: Callable[[], float] = mod_time.time, observe: bool = False,
@@ -95,10 +97,11 @@ class Space:
         self._page_files = page_files
         self._first = True
         self._att: Optional[Attachment] = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the attachment's swap (detach, close): held across no I/O
+        self._attaching = threading.Lock()  # an attach in progress: never waited for
         self._closed = False
         self._retry_at = -float("inf")  # after an attach that could not be done, when to try again
-        self._failure: StoreUnavailable = StoreUnavailable("not attached yet")  # the last attach's
+        self._failure: StoreUnavailable = AttachBusy("not attached yet")  # the last attach's
         self._namespaces: dict[str, str] = {}  # this process's: id -> schema.ns_value, recorded on every attach
 
     def used(self) -> None:
@@ -124,25 +127,49 @@ class Space:
             self.log.warning("namespaces", "recording the namespaces in the index failed: %s", e)
 
     def attached(self) -> Attachment:
-        """The store this process works on, attaching first if needed.
-
-        StoreUnavailable (its ``kind`` says why) while that cannot be done for a reason a
-        cache rides out: the index down, full or read-only, the directories full, no store
-        yet and no pages known to create it for. After such a failure the next try waits
-        ``redis_retry_s``. An operator's tool gets NoStore where there is no store."""
+        """The store this process works on. A serving process never attaches here (a probe,
+        a read or a write must not wait for an attach): while none is attached this raises
+        at once the last attach's failure (StoreUnavailable, its ``kind`` says why: the index
+        down, full or read-only, the directories full, another process attaching, no store
+        yet) and housekeeping attaches (:meth:`attach`). An operator's tool attaches here
+        (NoStore where there is no store)."""
         a = self._att
         if a is not None:
             return a
-        with self._lock:
-            if self._closed:
-                raise StoreClosed("the store is closed")
+        if self._closed:
+            raise StoreClosed("the store is closed")
+        if self.observe:
+            return self.attach()
+        self.housekeeping.wake()
+        raise _not_attached(self._failure)
+
+    def attach(self) -> Attachment:
+        """The attachment, attaching now if there is none: one try, which waits for no lock
+        another thread or process holds (AttachBusy meanwhile) and, after a failure, is not
+        made again before ``redis_retry_s`` (that failure is raised again meanwhile). Made at
+        start, when a namespace is added, and by housekeeping; never by a probe, read or write."""
+        a = self._att
+        if a is not None:
+            return a
+        if not self._attaching.acquire(blocking=False):
+            raise AttachBusy("another thread of this process is attaching")
+        try:
             if self._att is None:
-                self._att = self._attach()
+                new = self._attach()
+                with self._lock:
+                    if self._closed:  # closed meanwhile: what it opened goes too
+                        new.close_files()
+                        raise StoreClosed("the store is closed")
+                    self._att = new
             return self._att
+        finally:
+            self._attaching.release()
 
     def _attach(self) -> Attachment:
-        """Caller holds the lock."""
+        """Caller holds ``_attaching``."""
         cfg = self.cfg
+        if self._closed:
+            raise StoreClosed("the store is closed")
         if self.clock() < self._retry_at:
             raise _not_attached(self._failure)
         try:
@@ -151,10 +178,12 @@ class Space:
             else:
                 home = attach.attach(self.index, cfg.redis_prefix, cfg.path, cfg.capacity_bytes, cfg.index_shards,
                                      self.clock(), self._first, self.largest_page, self.modes, cfg.node_name)
-        except NoStoreYet:
-            raise  # no waiting: another process may create it any moment
+        except NoStoreYet as e:
+            self._failure = e  # no waiting: another process may create it any moment
+            raise
         except StoreUnavailable as e:
-            self._retry_at = self.clock() + cfg.redis_retry_s
+            if e.kind != AttachBusy.kind:  # (busy: the next pass tries again)
+                self._retry_at = self.clock() + cfg.redis_retry_s
             self._failure = e
             raise
         self._first = False
@@ -166,19 +195,21 @@ class Space:
 
     def detach(self, e: StoreDetached, a: Optional[Attachment] = None) -> None:
         """The store is gone from the index: drop the attachment (``a``, or whatever is
-        current); the next call attaches again."""
+        current); housekeeping attaches again."""
         with self._lock:
             if self._att is not None and (a is None or self._att is a):
                 self._att.close_files()
                 self._att = None
+                self._failure = StoreUnavailable(f"{e}; attaching again")
         self.metrics.error("store_detached")
         self.log.warning("detached", "%s; attaching again", e)
+        self.housekeeping.wake()
 
     def set_capacity(self, capacity: int) -> None:
         """Change the store's capacity (bytes): housekeeping in every process evicts down to
         it and punches the space out of the files. ValueError unless it is 0 (hold
         nothing) or holds a region (the region size is the store's for good)."""
-        a = self.attached()
+        a = self.attach()
         check_capacity(a.geometry.region_bytes, capacity, a.geometry.shards)
         attach.set_capacity(self.index, a.home, capacity)
         a.capacity = capacity

@@ -17,7 +17,11 @@ A serving process attaches (:func:`attach`) under a lock in the index (``SET NX`
 token and an expiry: one attach at a time per prefix over the whole fleet, which a shared
 filesystem's ``flock`` cannot promise: node-local on NFS with ``local_lock``, ENOSYS on
 Lustre with ``noflock``, per mount on FUSE) and, as well, ``flock`` on every directory
-(where the filesystem has no locks, one log line). It adopts the store the markers name if
+(where the filesystem has no locks, one log line). Neither lock is waited for: while another
+process holds one the attach is AttachBusy, and the caller (housekeeping) tries again at its
+next pass; the index's lock expires within ``LOCK_TTL_MS`` unless its holder renews it, so a
+holder killed or frozen mid-attach delays the others by that much at most, and a stalled one
+finds it lost before it writes (:meth:`_Lock.still_held`). It adopts the store the markers name if
 the index knows it, else another store directory under the prefix that the index knows
 (each store directory carries a marker of its own), and otherwise creates one, once it
 knows the largest page the store is for (its region size depends on it; until then the
@@ -50,14 +54,16 @@ import re
 import secrets
 import shutil
 import socket
+import threading
 import time as mod_time
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
 import xxhash
 
 from sglang_tierstore.errors import (
+    AttachBusy,
     ConfigError,
     IndexRefusesWrites,
     IndexUnavailable,
@@ -77,8 +83,8 @@ logger = logging.getLogger(__name__)
 GiB = 1 << 30
 
 MARKER = "store.json"
-LOCK_TTL_MS = 120_000  # an attach lock whose holder died lapses after this
-LOCK_WAIT_S = 130.0  # how long an attach waits for another node's (longer than LOCK_TTL_MS)
+LOCK_TTL_MS = 5_000  # an attach lock whose holder died or stalled lapses after this
+RENEW_S = 1.0  # how often a holder renews it while it attaches
 SHARDS_PER_MASTER = 4  # a cluster store's default shards per master: load spreads, a reshard moves a quarter
 _SAFE = re.compile(r"^[A-Za-z0-9_.-]+$")
 _LEGACY_KINDS = ("e", "c", "free", "pend", "lease", "lru", "bad")
@@ -129,7 +135,8 @@ _said_no_locks: set[str] = set()
 
 @contextmanager
 def _locked(paths: Sequence[str], prefix: str, m: Modes) -> Iterator[None]:
-    """``flock`` on every directory: processes of one node (the index lock is the fleet's)."""
+    """``flock`` on every directory: processes of one node (the index lock is the fleet's).
+    Never waits: a directory another process holds (it attaches now) is AttachBusy."""
     with ExitStack() as stack:
         for p in sorted(os.path.abspath(x) for x in paths):
             d = prefix_dir(p, prefix)
@@ -138,8 +145,10 @@ def _locked(paths: Sequence[str], prefix: str, m: Modes) -> Iterator[None]:
             stack.callback(os.close, fd)
             os.fchmod(fd, m.file)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
+                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    raise AttachBusy(f"another process of this node is attaching to {d}") from None
                 if e.errno not in _NO_LOCKS:
                     raise
                 if d not in _said_no_locks:
@@ -156,41 +165,56 @@ def lock_key(prefix: str) -> str:
 
 @dataclass
 class _Lock:
-    """The fleet's attach lock as this attach holds it (``held`` False: without it)."""
+    """The fleet's attach lock as this attach holds it (``held`` False: without it),
+    renewed every ``RENEW_S`` by a thread of its own while the attach runs, so that it
+    lapses within ``LOCK_TTL_MS`` of its holder's death or stall."""
 
     index: RedisIndex
     key: str
     token: str
     held: bool
+    lost: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
 
     def still_held(self) -> None:
         """Before writing what makes a store (its meta, the markers): IndexUnavailable if the
         lock lapsed meanwhile (a stalled attach: another may be attaching now)."""
-        if self.held and self.index.get(self.key) != self.token.encode():
+        if self.held and (self.lost.is_set() or self.index.get(self.key) != self.token.encode()):
             raise IndexUnavailable(f"the attach lock {self.key} lapsed during this attach: trying again later")
+
+    def renew(self) -> None:
+        """The renewing thread: until the attach is done or the lock is found lost."""
+        while not self.done.wait(RENEW_S):
+            try:
+                if not self.index.extend_if(self.key, self.token, LOCK_TTL_MS):
+                    self.lost.set()
+                    return
+            except TierStoreError:  # the next renewal tries again; a lapse shows in still_held
+                pass
 
 
 @contextmanager
 def _index_locked(index: RedisIndex, prefix: str, node: str) -> Iterator[_Lock]:
-    """The fleet's attach lock. An index that refuses writes (full, read-only) can take no
-    lock: the attach then only adopts (drops nothing)."""
+    """The fleet's attach lock, or AttachBusy at once while another holds it (it lapses
+    within ``LOCK_TTL_MS`` of its holder's death). An index that refuses writes (full,
+    read-only) can take no lock: the attach then only adopts (drops nothing)."""
     token = f"{node}:{os.getpid()}:{secrets.token_hex(6)}"
     key = lock_key(prefix)
-    deadline = mod_time.monotonic() + LOCK_WAIT_S
     try:
-        while not index.set_nx(key, token, LOCK_TTL_MS):
-            if index.get(key) == token.encode():  # the reply to our SET was lost, not the SET
-                break
-            if mod_time.monotonic() > deadline:
-                raise IndexUnavailable(f"another process has held the attach lock {key} for over {LOCK_WAIT_S:g} s")
-            mod_time.sleep(0.05)
+        if not index.set_nx(key, token, LOCK_TTL_MS) and index.get(key) != token.encode():  # (ours: its reply was lost)
+            raise AttachBusy(f"another process holds the attach lock {key}")
     except IndexRefusesWrites as e:
         logger.warning("tierstore: attaching without the index's lock (%s): adopting only, dropping nothing", e)
         yield _Lock(index, key, token, False)
         return
+    lock = _Lock(index, key, token, True)
+    renewer = threading.Thread(target=lock.renew, name="tierstore-attach-lock", daemon=True)
+    renewer.start()
     try:
-        yield _Lock(index, key, token, True)
+        yield lock
     finally:
+        lock.done.set()
+        renewer.join()
         try:
             index.delete_if(key, token)
         except IndexUnavailable:  # it lapses by itself

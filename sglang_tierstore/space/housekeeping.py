@@ -48,7 +48,7 @@ class Kept(Protocol):
     clock: Callable[[], float]
     activity: int
 
-    def attached(self) -> Attachment: ...
+    def attach(self) -> Attachment: ...
 
     def detach(self, e: StoreDetached, a: Optional[Attachment] = None) -> None: ...
 
@@ -89,7 +89,7 @@ class Housekeeper:
         a: Optional[Attachment] = None
         seen = space.activity
         try:
-            a = space.attached()
+            a = space.attach()  # (the one place a serving process attaches after its start)
             a.flush_touches()
             now = space.clock()
             idle = seen == self._activity

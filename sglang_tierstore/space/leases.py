@@ -79,7 +79,7 @@ class _Stock:
     for a whole write (slots taken, written, committed), so housekeeping can tell an idle
     writer from a busy one."""
 
-    __slots__ = ("lease", "thread", "lock", "ranges", "epoch", "renewed", "answered", "batches", "leased")
+    __slots__ = ("lease", "thread", "lock", "ranges", "epoch", "renewed", "answered", "batches", "leased", "orphaned")
 
     def __init__(self, lease: str, epoch: int) -> None:
         self.lease = lease
@@ -91,6 +91,7 @@ class _Stock:
         self.answered: dict[int, int] = {}  # shard -> Leases.mark() when a reply last set its stock there
         self.batches: dict[tuple[int, int], deque[int]] = {}  # (shard, page bytes) -> sizes of the last batches
         self.leased = False  # the lease may exist in the index: a call was sent since it was last given back
+        self.orphaned = False  # its thread writes under a new lease now (see Leases.writing): tidy gives it back
 
 
 class Leases:
@@ -119,18 +120,34 @@ class Leases:
     def _mine(self) -> _Stock:
         st: Optional[_Stock] = getattr(self._local, "stock", None)
         if st is None:
-            with self._lock:
-                st = _Stock(f"{self._token}.{self._next}", self._epoch)
-                self._next += 1
-                self._stocks[st.lease] = st
-            self._local.stock = st
+            st = self._new_stock()
         if st.epoch != self._epoch:  # start over from what the lease holds in Redis
             st.ranges, st.epoch = {}, self._epoch
         return st
 
+    def _new_stock(self) -> _Stock:
+        """A stock under a lease of its own for this thread (none in the index until its first call)."""
+        with self._lock:
+            st = _Stock(f"{self._token}.{self._next}", self._epoch)
+            self._next += 1
+            self._stocks[st.lease] = st
+        self._local.stock = st
+        return st
+
     def writing(self) -> threading.RLock:
-        """Held (as a context manager) around a write: from taking slots to their commit."""
-        return self._mine().lock
+        """The lock held around a write (from taking slots to their commit), taken: the
+        caller releases it. Never waits: housekeeping holds a stock's lock only while it
+        gives the stock back (a Redis round trip), and a writer that finds it so takes a
+        stock under a new lease (its next call leases anew) and leaves the old one to
+        housekeeping."""
+        st = self._mine()
+        if not st.lock.acquire(blocking=False):
+            new = self._new_stock()
+            new.batches = {k: deque(v, maxlen=RECENT_BATCHES) for k, v in st.batches.items()}
+            st.orphaned = True
+            st = new
+            st.lock.acquire()
+        return st.lock
 
     def _stock(self, shard: int) -> list[Range]:
         """This thread's slots in a shard, if its lease there was renewed within half its
@@ -259,7 +276,8 @@ class Leases:
         return args
 
     def tidy(self, draining: bool, idle: bool = False) -> int:
-        """Housekeeping of stocks: a thread that exited gives its whole lease back; with
+        """Housekeeping of stocks: a thread that exited (or left its stock, see
+        :meth:`writing`) gives its whole lease back; with
         the process ``idle`` (nothing read or written for a while) so does every thread not
         writing (its next write leases anew), so that an idle process holds no lease that
         housekeeping must wake up to renew; with regions ``draining``, an idle thread gives
@@ -269,7 +287,7 @@ class Leases:
             stocks = list(self._stocks.values())
         done = 0
         for st in stocks:
-            gone = not st.thread.is_alive()
+            gone = st.orphaned or not st.thread.is_alive()
             if not (gone or draining or (idle and st.leased)):
                 continue
             if not st.lock.acquire(blocking=False):

@@ -33,10 +33,9 @@ class Reservation:
         self.parts = by_shard(fields, a.geometry.shards)
         self.places: list[Place] = []  # the pages placed, in batch order
         self.slots: dict[int, Slot] = {}  # batch position -> slot, placed or not
-        self._lock = a.leases.writing()
 
     def __enter__(self) -> "Reservation":
-        self._lock.acquire()
+        self._lock = self._a.leases.writing()
         try:
             self._place()
         except BaseException:
