@@ -23,7 +23,6 @@ import xxhash
 from sglang_tierstore import _native
 from sglang_tierstore.config import Target, TierStoreConfig
 from sglang_tierstore.errors import (
-    ConfigError,
     IndexUnavailable,
     NoStoreYet,
     PageIOError,
@@ -173,6 +172,7 @@ class TierStore:
         self.space = Space(cfg, self.index, modes(cfg.file_access), secrets.token_hex(6), self.metrics, self.log, clock,
                            observe, page_files)
         self._namespaces: dict[str, Namespace] = {}
+        self._said_unfit: set[tuple[str, str]] = set()  # (store id, namespace) whose pages its regions cannot hold
         self.space.on_attach(self._register_all)
         try:
             if not observe:  # an observer attaches on first use, and hears why it cannot
@@ -204,7 +204,11 @@ class TierStore:
     def namespace(self, fields: Mapping[str, object], page_bytes: int) -> Namespace:
         """The namespace of pages with these compatibility ``fields`` (model, dtype,
         layout, ranks...) and size; recorded in the index for operators. ValueError for a
-        size that is not positive."""
+        size that is not positive.
+
+        Pages larger than the regions of the store already there are no config error of
+        this process (another's pages cut the store): they are never stored (outcome
+        ``too_big``), with one log line naming the ways out, and every other namespace works."""
         if page_bytes <= 0:
             raise ValueError(f"page_bytes must be positive, got {page_bytes}")
         ns_id, desc = fingerprint({**fields, "page_bytes": page_bytes, "namespace": self.cfg.namespace})
@@ -215,13 +219,7 @@ class TierStore:
             a = self.space.attached()
         except StoreUnavailable:
             return ns  # registered when the store is attached
-        rb = a.geometry.region_bytes
-        if slots_per_region(rb, page_bytes) < 1:
-            raise ConfigError(
-                f"tierstore: pages of {page_bytes} bytes do not fit store {a.geometry.store_id}'s {rb}-byte regions (a "
-                f"store's region size is fixed when it is created, for its first pages and its capacity_gb): give these "
-                f"pages a store of their own (another redis_prefix), or drop this one (`tierstore drop`) so that the next "
-                f"server creates it for them")
+        self._say_unfit(a, [ns])
         try:
             self._register(a, [ns])
         except TierStoreError:
@@ -229,10 +227,27 @@ class TierStore:
         return ns
 
     def _register_all(self, a: Attachment) -> None:
+        namespaces = list(self._namespaces.values())
+        self._say_unfit(a, namespaces)
         try:
-            self._register(a, list(self._namespaces.values()))
+            self._register(a, namespaces)
         except StoreUnavailable as e:  # they are for operators: registered again with the next namespace
             self.log.warning(e.kind, "recording the namespaces in the index failed: %s", e)
+
+    def _say_unfit(self, a: Attachment, namespaces: Sequence[Namespace]) -> None:
+        """One log line per store for each namespace whose pages its regions cannot hold."""
+        g = a.geometry
+        for ns in namespaces:
+            if g.holds(ns.page_bytes) or (g.store_id, ns.ns) in self._said_unfit:
+                continue
+            self._said_unfit.add((g.store_id, ns.ns))
+            logger.warning(
+                "tierstore: pages of %d bytes (namespace %s: %s) do not fit store %s's %d-byte regions (a store's region "
+                "size is fixed when it is created, for its first pages and its capacity_gb): they are not stored (write "
+                "outcome too_big) and their probes miss, while other namespaces work. Give these pages a store of their "
+                "own (another redis_prefix), or drop this one (`tierstore drop`) while only servers with pages this "
+                "large run, so that they create it anew for them", ns.page_bytes, ns.ns, ns.description, g.store_id,
+                g.region_bytes)
 
     def _register(self, a: Attachment, namespaces: Sequence[Namespace]) -> None:
         if namespaces:
@@ -448,7 +463,8 @@ class TierStore:
 
     def write(self, ns: Namespace, keys: Sequence[str], srcs: Sequence[Regions], aligned: bool) -> list[bool]:
         """Store each page (``srcs``: one buffer, as regions, per key); True per page now
-        stored, by this call or earlier (a key keeps the bytes first stored for it).
+        stored, by this call or earlier (a key keeps the bytes first stored for it). Pages
+        larger than the store's regions are not stored (outcome ``too_big``), asking the index nothing.
 
         Costs one ``commit`` round trip once this thread holds a stock of leased slots
         (a second call first when it does not), and the pages' pwritevs in parallel,
@@ -470,6 +486,9 @@ class TierStore:
         outcomes: CounterT[str] = Counter()  # one per page: stored, exists, or why not
         try:
             a = self.space.attached()
+            if not a.geometry.holds(ns.page_bytes):  # said once when registered (_say_unfit): no index call
+                outcomes["too_big"] += len(keys)
+                return [False] * len(keys)
             try:
                 results = self._write(a, ns, keys, srcs, aligned, outcomes)
             except StoreDetached as e:
