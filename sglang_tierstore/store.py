@@ -23,7 +23,6 @@ import xxhash
 import sglang_tierstore._native as _native
 from sglang_tierstore.config import Target, TierStoreConfig
 from sglang_tierstore.errors import (
-    ConfigError,
     IndexUnavailable,
     NoStoreYet,
     PageIOError,
@@ -200,23 +199,21 @@ class TierStore:
     def namespace(self, fields: Mapping[str, object], page_bytes: int) -> Namespace:
         """The namespace of pages with these compatibility ``fields`` (model, dtype,
         layout, ranks...) and size; recorded in the index for operators. ValueError for a
-        size that is not positive."""
+        size that is not positive.
+
+        Pages larger than the regions of the store already there are no config error of
+        this process (another's pages cut the store): they are never stored (outcome
+        ``too_big``), with one log line naming the ways out (:meth:`Space.expect`), and
+        every other namespace works."""
         if page_bytes <= 0:
             raise ValueError(f"page_bytes must be positive, got {page_bytes}")
         ns_id, desc = fingerprint({**fields, "page_bytes": page_bytes, "namespace": self.cfg.namespace})
         ns = Namespace(ns_id.hex(), ns_id, page_bytes, desc)
         self.space.expect(ns.ns, page_bytes, desc)
         try:
-            a = self.space.attach()  # (a store is created once its pages are known)
+            self.space.attach()  # (a store is created once its pages are known)
         except StoreUnavailable:
-            return ns
-        rb = a.geometry.region_bytes
-        if slots_per_region(rb, page_bytes) < 1:
-            raise ConfigError(
-                f"tierstore: pages of {page_bytes} bytes do not fit store {a.geometry.store_id}'s {rb}-byte regions (a "
-                f"store's region size is fixed when it is created, for its first pages and its capacity_gb): give these "
-                f"pages a store of their own (another redis_prefix), or drop this one (`tierstore drop`) so that the next "
-                f"server creates it for them")
+            pass  # housekeeping attaches
         return ns
 
     def namespaces(self) -> dict[str, tuple[int, str]]:
@@ -408,7 +405,8 @@ class TierStore:
 
     def write(self, ns: Namespace, keys: Sequence[str], srcs: Sequence[Regions], aligned: bool) -> list[bool]:
         """Store each page (``srcs``: one buffer, as regions, per key); True per page now
-        stored, by this call or earlier (a key keeps the bytes first stored for it).
+        stored, by this call or earlier (a key keeps the bytes first stored for it). Pages
+        larger than the store's regions are not stored (outcome ``too_big``), asking the index nothing.
 
         Costs one ``commit`` round trip once this thread holds a stock of leased slots
         (a second call first when it does not), and the pages' pwritevs in parallel,
@@ -434,6 +432,9 @@ class TierStore:
             except StoreUnavailable:
                 outcomes["not_attached"] += len(keys)
                 raise
+            if not a.geometry.holds(ns.page_bytes):  # said once when registered (Space.expect): no index call
+                outcomes["too_big"] += len(keys)
+                return [False] * len(keys)
             try:
                 results = self._write(a, ns, keys, srcs, aligned, outcomes)
             except StoreDetached as e:

@@ -23,7 +23,7 @@ from typing import Any, Iterator
 
 import pytest
 from conftest import flip_byte, free_port, keys
-from engine_kit import engine, pages, views
+from engine_kit import MiB, engine, pages, views
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.exposition import MetricsHandler
 from prometheus_client.parser import text_string_to_metric_families
@@ -88,7 +88,7 @@ def test_the_command_needs_neither_torch_nor_sglang_and_is_declared() -> None:
     assert scripts == {"tierstore": "sglang_tierstore.tools.cli:main"}
     helped = python_m("--help")
     assert helped.returncode == 0
-    assert all(c in helped.stdout for c in ("stats", "check", "clear", "redis", "plan", "predict", "exporter"))
+    assert all(c in helped.stdout for c in ("stats", "check", "clear", "drop", "redis", "plan", "predict", "exporter"))
 
 
 def test_stats_shows_the_store_by_page_size_and_namespace(extra: dict[str, Any], filled: dict[str, int],
@@ -195,6 +195,42 @@ def test_clear_asks_refuses_without_a_terminal_and_drops_what_it_names(
     assert code == cli.OK and f"dropped {filled[large]} pages of every namespace" in out
     assert left() == {small: 0, large: 0}
     assert run(capsys, "check", "--config", conf)[0] == cli.OK
+
+
+def test_stats_names_pages_the_regions_cannot_hold_and_drop_lets_a_new_store_be_cut_for_them(
+        extra: dict[str, Any], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 16 MiB store cut for 64 KiB pages (1 MiB regions) and a process whose pages are
+    2 MiB: ``stats`` lists that namespace as not fitting; ``drop`` asks, then drops the
+    store (its keys and directory), and the process, once it has found the store gone,
+    creates a new one whose regions hold its pages."""
+    extra = {**extra, "capacity_gb": 16 * MiB / (1 << 30)}
+    conf = json.dumps(extra)
+    small = write(extra, 64 << 10, 4, "small")
+    st = engine(extra)
+    try:
+        ns = st.namespace({"model": "big", "pool": "kv"}, 2 * MiB)
+        assert st.write(ns, keys(2, "big"), views(pages(2, 2 * MiB, 1)), False) == [False, False]
+        s = stats(capsys, extra)
+        assert {n["id"]: n["fits"] for n in s["namespaces"]} == {small: True, ns.ns: False}
+        code, out, _ = run(capsys, "stats", "--config", conf)
+        assert code == cli.OK and f"pages of {ns.ns} do not fit the 1.0 MiB regions" in out and "tierstore drop" in out
+
+        old = s["store"]["id"]
+        monkeypatch.setattr(sys, "stdin", io.StringIO("y\n"))  # not a terminal
+        code, _, err = run(capsys, "drop", "--config", conf)
+        assert code == cli.USAGE and "drop asks before it deletes" in err and stats(capsys, extra)["store"]["id"] == old
+        code, out, _ = run(capsys, "drop", "--yes", "--config", conf)
+        assert code == cli.OK and f"dropped store {old}" in out
+        assert not list(Path(extra["path"]).glob(f"tierstore-*/{old}"))
+        st.space.housekeeping.run_once(audit=False)  # finds the store gone...
+        st.space.housekeeping.run_once(audit=False)  # ...and attaches anew, creating one cut for its pages
+        assert st.write(ns, keys(2, "big"), views(pages(2, 2 * MiB, 1)), False) == [True, True]
+        s = stats(capsys, extra)
+        assert s["store"]["id"] != old and s["usage"]["region_bytes"] >= 2 * MiB
+        assert [(n["id"], n["fits"], n["pages"]) for n in s["namespaces"]] == [(ns.ns, True, 2)]
+        assert run(capsys, "check", "--config", conf)[0] == cli.OK
+    finally:
+        st.close()
 
 
 def test_clear_run_by_a_script_without_yes_deletes_nothing(extra: dict[str, Any], filled: dict[str, int],

@@ -273,26 +273,49 @@ def test_pages_of_96_mib_are_stored_and_read_back(tmp_path: Any, redis_proc: Any
         assert inspect.check(st) == []
 
 
-def test_pages_larger_than_an_existing_stores_regions_are_a_clear_error(extra: dict[str, Any]) -> None:
-    """A store created for 64 KiB pages cuts 1 MiB regions (a 16 MiB store); a pool of
-    2 MiB pages registered on it later is refused at registration, with the page size,
-    the region size and the ways out; a store too small for the pages it would be created
-    for is refused naming the capacity it needs."""
+def test_a_pool_whose_pages_do_not_fit_the_stores_regions_is_refused_alone(
+        extra: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
+    """A store created for 64 KiB pages cuts 1 MiB regions (a 16 MiB store); a second model
+    whose KV pages are 2 MiB starts on it: nothing raises (its own config is fine), one log
+    line names the page size, the region size and the ways out, its KV pages are never
+    stored (outcome too_big, asking the index nothing) and its probes miss, while its side
+    pool and the first model work. A store too small for the pages it would be created
+    for is still refused, naming the capacity it needs."""
     small = mha_pool("page_first_direct", **A_POOL)
     big = mha_pool("page_first_direct", page_size=16, layers=128, heads=4, head_dim=64, tokens=64)  # 2 MiB pages
+    side = mha_pool("page_first_direct", page_size=16, layers=1, heads=1, head_dim=64, tokens=64)
+    for i, p in enumerate((small, big, side)):
+        fill(p, 40 + i)
     cfg = {**extra, "capacity_gb": 16 * MiB / GiB}
-    with TierStoreBackend(storage_config(cfg, model="small"), {}) as be:
-        be.register_mem_pool_host(small)
-    with TierStoreBackend(storage_config(cfg, model="big"), {}) as be:
-        with pytest.raises(ConfigError, match=r"pages of 2097152 bytes do not fit store \w+'s 1048576-byte regions .*"
-                                              r"another redis_prefix.*tierstore drop"):
-            be.register_mem_pool_host(big)
+    ks = keys(4, "big")
+    with TierStoreBackend(storage_config(cfg, model="small"), {}) as a:
+        a.register_mem_pool_host(small)
+        with caplog.at_level(logging.WARNING), TierStoreBackend(storage_config(cfg, model="big"), {}) as b:
+            b.register_mem_pool_host(big)
+            b.register_mem_host_pool_v2(side, PoolName.SWA)
+            b.on_host_pools_registered()
+            for _ in range(3):
+                assert b.batch_set_v1(ks, page_indices(range(4), 16)) == [False] * 4
+            assert b.store.stats()["write_too_big"] == 12 and "write_raised" not in b.store.stats()
+            assert b.batch_exists(ks) == 0
+            assert b.batch_get_v1(ks, page_indices(range(4), 16)) == [False] * 4
+            swa = [PoolTransfer(name=PoolName.SWA, host_indices=page_indices(range(4), 16), keys=ks)]
+            assert b.batch_set_v2(swa) == {"swa": [True] * 4}
+            swa = [PoolTransfer(name=PoolName.SWA, host_indices=page_indices(range(4, 8), 16), keys=ks)]
+            assert b.batch_get_v2(swa) == {"swa": [True] * 4}
+            assert page_bytes(side, 7) == page_bytes(side, 3)
+            assert a.batch_set_v1(ks, page_indices(range(4), 16)) == [True] * 4
+            assert a.batch_get_v1(ks, page_indices(range(10, 14), 16)) == [True] * 4
+            said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+            assert len(said) == 1, said
+            assert all(w in said[0] for w in ("pages of 2097152 bytes", "1048576-byte regions", "too_big",
+                                              "another redis_prefix", "tierstore drop")), said[0]
+            assert inspect.check(b.store) == []
     tiny = {**extra, "redis_prefix": extra["redis_prefix"] + "-tiny", "capacity_gb": 4 * MiB / GiB}
     with TierStoreBackend(storage_config(tiny, model="big"), {}) as be:
         with pytest.raises(ConfigError, match=r"'capacity_gb': a store for pages of 2097152 bytes has 2097152-byte "
                                               r"regions and needs at least 4 of them: capacity_gb 0.0078125 or more"):
             be.register_mem_pool_host(big)
-
 
 
 def page_files_size(path: str) -> int:

@@ -19,7 +19,8 @@ from mounts import fill_disk, tmpfs
 from pools import fill, keys, mha_pool, page_bytes, page_indices, storage_config
 
 from sglang_tierstore import TierStoreBackend
-from sglang_tierstore.embedded import AOF_ASIDE, AOF_DIR, embedded_running, pid_file, redis_dir, stop_embedded_redis
+from sglang_tierstore.embedded import (AOF_ASIDE, AOF_DIR, embedded_running, join_embedded_redis, pid_file, redis_dir,
+                                       stop_embedded_redis)
 from sglang_tierstore.errors import ConfigError
 from sglang_tierstore.tools import inspect
 
@@ -232,6 +233,66 @@ def test_the_embedded_index_killed_while_the_disk_is_full_comes_back(tmp_path: P
                 assert inspect.check(be.store) == []
         finally:
             stop_embedded_redis(cfg["path"])
+
+
+def index_of(cfg: dict[str, Any]) -> redis.Redis:
+    """A client of the store's index: its ``redis_url``, else the embedded index (with its password)."""
+    return redis.Redis.from_url(cfg.get("redis_url") or join_embedded_redis(cfg["path"]))
+
+
+def refuse_writes(r: redis.Redis) -> None:
+    """Write to the index until its full AOF disk makes it refuse writes (MISCONF)."""
+    def refused() -> bool:
+        try:
+            r.set("junk", b"x" * 4096)
+            return False
+        except redis.ResponseError as e:
+            return str(e).startswith("MISCONF")
+    until(refused, "the index refuses writes")
+
+
+@pytest.mark.parametrize("index", ["embedded", "external"])
+def test_a_rank_starting_while_the_index_aof_disk_is_full_comes_up_and_writes_once_there_is_room(
+        tmp_path: Path, server: str, index: str, caplog: pytest.LogCaptureFixture) -> None:
+    """The disk under the index's AOF and the page files fills (MISCONF: the index refuses
+    every write, PING included) and a rank (re)starts then: it comes up, serves the pages
+    stored, refuses writes as index_read_only with one log line and no traceback, and
+    writes once there is room again. With the embedded index and with an external one."""
+    with tmpfs(tmp_path / "disk", 24) as disk:
+        r = RedisProc(disk / "redis", appendonly=True, server=server) if index == "external" else None
+        cfg = embedded_cfg(disk / "store", server)
+        if r is not None:
+            del cfg["redis_server"]
+            cfg["redis_url"] = r.url
+        pool = mha_pool("page_first")
+        fill(pool, 5)
+        ks = keys(12)
+        try:
+            with TierStoreBackend(storage_config(cfg), {}) as a:
+                a.register_mem_pool_host(pool)
+                assert a.batch_set_v1(ks[:6], page_indices(range(6), 4)) == [True] * 6
+            filler = fill_disk(disk)
+            with index_of(cfg) as admin:
+                refuse_writes(admin)
+                with caplog.at_level(logging.WARNING), TierStoreBackend(storage_config(cfg), {}) as b:
+                    b.register_mem_pool_host(pool)
+                    assert b.batch_get_v1(ks[:6], page_indices(range(10, 16), 4)) == [True] * 6
+                    assert page_bytes(pool, 15) == page_bytes(pool, 5)
+                    for _ in range(3):
+                        assert b.batch_set_v1(ks[6:], page_indices(range(6, 12), 4)) == [False] * 6
+                    assert refusals(b, "index_read_only") == 3 and "error_internal" not in b.store.stats()
+                    said = [m.getMessage() for m in caplog.records]
+                    assert sum("batch_set_v1" in m and "MISCONF" in m for m in said) == 1, said
+                    assert "Traceback" not in caplog.text
+                    filler.unlink()
+                    until(lambda: b.batch_set_v1(ks[6:], page_indices(range(6, 12), 4)) == [True] * 6, "writes again")
+                    assert b.batch_get_v1(ks, page_indices(range(20, 32), 4)) == [True] * 12
+                    assert inspect.check(b.store) == []
+        finally:
+            if r is not None:
+                r.stop()
+            else:
+                stop_embedded_redis(cfg["path"])
 
 
 @pytest.mark.parametrize("when", ["at_start", "while_running"])

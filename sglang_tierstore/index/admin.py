@@ -18,12 +18,18 @@ def password_state(url: str, password: str, timeout_s: float) -> str:
     """Whether the server at ``url`` guards itself with ``password``: ``ok``; ``unset``
     when it answers without any (an embedded Redis that a build before passwords
     started; such a server also accepts any AUTH, so AUTH alone proves nothing);
-    ``refused`` when it wants another; ``down`` when nothing answers. Start-up only."""
+    ``refused`` when it wants another; ``down`` when nothing answers. Start-up only.
+
+    Any other error reply also answers the question: the server let the connection past
+    authentication. A server whose AOF disk is full refuses even PING (MISCONF), and a
+    process starting then must still join it (and ride out the refused writes)."""
 
     def ping(pw: Optional[str]) -> None:
         r = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, password=pw)
         try:
             r.ping()
+        except redis.ResponseError:  # past authentication (NOAUTH and WRONGPASS are not ResponseErrors)
+            pass
         finally:
             r.close()
 

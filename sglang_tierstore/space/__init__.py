@@ -102,7 +102,8 @@ class Space:
         self._closed = False
         self._retry_at = -float("inf")  # after an attach that could not be done, when to try again
         self._failure: StoreUnavailable = AttachBusy("not attached yet")  # the last attach's
-        self._namespaces: dict[str, str] = {}  # this process's: id -> schema.ns_value, recorded on every attach
+        self._namespaces: dict[str, tuple[int, str]] = {}  # this process's: id -> (page bytes, description)
+        self._said_unfit: set[tuple[str, str]] = set()  # (store id, namespace) whose pages its regions cannot hold
 
     def used(self) -> None:
         """A batch was read or written."""
@@ -112,8 +113,10 @@ class Space:
     def expect(self, ns_id: str, page_bytes: int, description: str) -> None:
         """A namespace whose pages will be stored: recorded in the index for operators
         (now where attached, and on every attach), and a store this process creates from
-        now on holds its pages (the next call tries to attach at once)."""
-        self._namespaces[ns_id] = ns_value(page_bytes, description)
+        now on holds its pages (the next attach is tried at once). A store whose regions
+        cannot hold them (another process's pages cut it) gets one log line naming the ways
+        out; its other namespaces work."""
+        self._namespaces[ns_id] = (page_bytes, description)
         if self.largest_page is None or page_bytes > self.largest_page:
             self.largest_page = page_bytes
             self._retry_at = -float("inf")
@@ -121,10 +124,26 @@ class Space:
             self._register(self._att)
 
     def _register(self, a: Attachment) -> None:
+        namespaces = dict(self._namespaces)
+        self._say_unfit(a, namespaces)
         try:
-            a.register(dict(self._namespaces))
+            a.register({ns: ns_value(pb, desc) for ns, (pb, desc) in namespaces.items()})
         except TierStoreError as e:  # they are for operators: recorded again with the next namespace or attach
             self.log.warning("namespaces", "recording the namespaces in the index failed: %s", e)
+
+    def _say_unfit(self, a: Attachment, namespaces: dict[str, tuple[int, str]]) -> None:
+        """One log line per store for each namespace whose pages its regions cannot hold."""
+        g = a.geometry
+        for ns, (pb, desc) in namespaces.items():
+            if g.holds(pb) or (g.store_id, ns) in self._said_unfit:
+                continue
+            self._said_unfit.add((g.store_id, ns))
+            self.log.warning(
+                f"unfit:{ns}", "pages of %d bytes (namespace %s: %s) do not fit store %s's %d-byte regions "
+                "(a store's region size is fixed when it is created, for its first pages and its capacity_gb): they are "
+                "not stored (write outcome too_big) and their probes miss, while other namespaces work. Give these pages "
+                "a store of their own (another redis_prefix), or drop this one (`tierstore drop`) while only servers with "
+                "pages this large run, so that they create it anew for them", pb, ns, desc, g.store_id, g.region_bytes)
 
     def attached(self) -> Attachment:
         """The store this process works on. A serving process never attaches here (a probe,

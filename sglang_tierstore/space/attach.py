@@ -313,13 +313,29 @@ def drop_legacy(index: RedisIndex, prefix: str, paths: Sequence[str]) -> bool:
     return True
 
 
-def _drop_store(index: RedisIndex, prefix: str, store_id: str, meta: dict[str, str], paths: Sequence[str],
-                why: str) -> None:
+def _drop_store(index: RedisIndex, prefix: str, store_id: str, meta: dict[str, str], paths: Sequence[str]) -> None:
+    """Its keys, its directories and the markers naming it (the next attach starts a store
+    without saying the index lost this one)."""
     tag = store_tag(prefix, store_id)
     index.unlink(store_keys(tag, shard_tags(tag, meta)))
     for p in paths:
         shutil.rmtree(store_dir(p, prefix, store_id), ignore_errors=True)
-    logger.warning("tierstore: dropped store %s (prefix %r): %s; starting an empty one", store_id, prefix, why)
+        m = _read_marker(p, prefix)
+        if m is not None and m["store"] == store_id:
+            os.unlink(os.path.join(prefix_dir(p, prefix), MARKER))
+
+
+def drop(index: RedisIndex, prefix: str, paths: Sequence[str], store_id: str, node: Optional[str] = None) -> bool:
+    """Drop a store (its index keys, directories and markers) under the fleet's attach
+    lock: ``tierstore drop``. Processes attached to it detach at their next call of the
+    index's functions and attach anew; the first creates a new store, cut for its own
+    largest page. False if the index holds nothing for it."""
+    with _index_locked(index, prefix, node or socket.gethostname()):
+        meta = _stored_meta(index, prefix, store_id)
+        if not meta:
+            return False
+        _drop_store(index, prefix, store_id, meta, paths)
+    return True
 
 
 def attach(index: RedisIndex, prefix: str, paths: Sequence[str], capacity: int, shards: Optional[int], now: float,
@@ -408,8 +424,9 @@ def _adopt(index: RedisIndex, prefix: str, paths: Sequence[str], ids: Sequence[s
             unknown.append(store_id)
         elif int(meta.get("format", 0)) != FORMAT:
             if may_drop and store_id in ids and int(meta.get("format", 0)) < FORMAT:
-                _drop_store(index, prefix, store_id, meta, paths,
-                            f"it was written in format {meta.get('format')} and this build reads format {FORMAT}")
+                _drop_store(index, prefix, store_id, meta, paths)
+                logger.warning("tierstore: dropped store %s (prefix %r): it was written in format %s and this build "
+                               "reads format %d; starting an empty one", store_id, prefix, meta.get("format"), FORMAT)
             else:
                 unknown.append(store_id)
         elif store_id in ids:

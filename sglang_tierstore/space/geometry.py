@@ -99,6 +99,10 @@ class Geometry:
         rpf, rb, sb = self.regions_per_file, self.region_bytes, self.slot_bytes(page_bytes)
         return [(r // rpf, HEADER_BYTES + r % rpf * rb + s * sb) for r, s in slots]
 
+    def holds(self, page_bytes: int) -> bool:
+        """Whether a region holds a page of this size (fixed when the store was created)."""
+        return slots_per_region(self.region_bytes, page_bytes) >= 1
+
     @staticmethod
     def slot_bytes(page_bytes: int) -> int:
         """A slot's size: the page's, rounded up to the O_DIRECT alignment."""

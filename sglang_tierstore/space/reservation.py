@@ -63,7 +63,7 @@ class Reservation:
         self.outcomes["file_unready"] += len(slots) - len(self.places)
         full = len(self.fields) - len(slots) - unreached
         if full > 0:
-            self.outcomes["too_big" if pb > a.geometry.region_bytes else "full"] += full
+            self.outcomes["full" if a.geometry.holds(pb) else "too_big"] += full
             a.log.warning("full", "no slot for %d page(s) of %d bytes (every region pinned by writers, or pages larger "
                           "than the store's %d-byte regions)", full, pb, a.geometry.region_bytes)
 

@@ -1,4 +1,4 @@
-"""``tierstore``: look at, check, resize, clear and export a node's store; run its embedded Redis.
+"""``tierstore``: look at, check, resize, clear, drop and export a node's store; run its embedded Redis.
 
 Reads the JSON SGLang is given (``--hicache-storage-backend-extra-config``: inline, or a
 file ``PATH`` or ``@PATH`` ending in .json, .toml or .yaml) from ``--config`` or
@@ -9,7 +9,7 @@ does not hold and where nothing changed for an hour: on a shared filesystem a no
 removes another store's directory by itself, since its own index lacking a store proves
 nothing for the fleet.
 
-``stats``, ``check``, ``clear`` and ``exporter`` look at a store that exists and create
+``stats``, ``check``, ``clear``, ``drop`` and ``exporter`` look at a store that exists and create
 none: directories that are missing or hold no store marker, or an index that does not hold
 the store they name, are reported (exit 4) and left alone, and the embedded Redis is joined
 only if it is running (``--start-redis`` starts it). Once found, the store is joined as it
@@ -21,9 +21,9 @@ index holds them. ``stats`` shows them only when given the server's ``/metrics``
 (``--metrics-url``), summed over ranks; ``exporter`` serves index-level gauges only.
 
 Exit codes: 0 done; 1 ``check`` found problems (after ``--fix``: problems it left);
-2 bad usage or config (``clear`` without a terminal to confirm on and without ``--yes``);
+2 bad usage or config (``clear`` or ``drop`` without a terminal to confirm on and without ``--yes``);
 3 the index, the embedded Redis, a directory or the metrics URL cannot be reached;
-4 no store there; 5 ``clear`` not confirmed. Passwords are never printed
+4 no store there; 5 ``clear`` or ``drop`` not confirmed. Passwords are never printed
 (:func:`~sglang_tierstore.config.redact_url`).
 
 Imports neither SGLang nor torch.
@@ -115,7 +115,8 @@ def _config_document(path: str) -> Any:
 def gather_stats(o: Opened, cfg: TierStoreConfig, counters: Optional[dict[str, float]]) -> dict[str, Any]:
     facts = inspect.index_facts(o.store)
     pages = inspect.pages_by_namespace(o.store)
-    namespaces = [{"id": ns, "page_bytes": pb, "pages": pages.get(ns, 0), "description": desc}
+    g = o.store.space.attached().geometry
+    namespaces = [{"id": ns, "page_bytes": pb, "pages": pages.get(ns, 0), "fits": g.holds(pb), "description": desc}
                   for ns, (pb, desc) in sorted(o.store.namespaces().items())]
     return {
         "store": {"id": o.store_id, "prefix": cfg.redis_prefix, "paths": list(cfg.path)},
@@ -192,6 +193,11 @@ def render_stats(s: dict[str, Any], cfg: TierStoreConfig, metrics_url: Optional[
         lines += ["", *_table([["namespace", "page size", "pages", "description"]] +
                               [[n["id"], _size(n["page_bytes"]), n["pages"], n["description"]] for n in s["namespaces"]],
                               left=frozenset({0, 3}))]
+        unfit = [n["id"] for n in s["namespaces"] if not n["fits"]]
+        if unfit:
+            lines.append(f"pages of {', '.join(unfit)} do not fit the {_size(u['region_bytes'])} regions: never stored "
+                         "(give them another redis_prefix, or `tierstore drop` this store while only servers with "
+                         "pages this large run)")
     lines.append("")
     if s["counters"] is None:
         lines.append("counters: kept by each serving process, not in the index; --metrics-url "
@@ -275,9 +281,9 @@ def _gc(args: argparse.Namespace, cfg: TierStoreConfig) -> int:
     return OK
 
 
-def _confirm(question: str) -> bool:
+def _confirm(command: str, question: str) -> bool:
     if not sys.stdin.isatty():
-        raise CliError(USAGE, "clear asks before it deletes, and there is no terminal to ask on: pass --yes")
+        raise CliError(USAGE, f"{command} asks before it deletes, and there is no terminal to ask on: pass --yes")
     try:
         answer = input(f"{question} [y/N] ")
     except (EOFError, KeyboardInterrupt):  # no answer is a no
@@ -302,13 +308,29 @@ def _clear(args: argparse.Namespace, cfg: TierStoreConfig) -> int:
         what = "every namespace" if not args.namespace else f"namespace(s) {', '.join(chosen)}"
         question = (f"Drop {sum(pages.get(ns, 0) for ns in chosen)} pages of {what} from store {o.store_id} "
                     f"under {', '.join(cfg.path)}?")
-        if not args.yes and not _confirm(question):
+        if not args.yes and not _confirm("clear", question):
             print("nothing dropped")
             return DECLINED
         dropped = o.store.clear([Namespace(ns, bytes.fromhex(ns), *known[ns]) for ns in chosen])
     finally:
         o.close()
     print(f"dropped {dropped} pages of {what}")
+    return OK
+
+
+def _drop(args: argparse.Namespace, cfg: TierStoreConfig) -> int:
+    """The whole store: what re-cuts its regions (for pages larger than them) is a new store."""
+    o = open_store(cfg, args.start_redis)
+    try:
+        question = (f"Drop store {o.store_id} (every page, its index keys and its directories under "
+                    f"{', '.join(cfg.path)})?")
+        if not args.yes and not _confirm("drop", question):
+            print("nothing dropped")
+            return DECLINED
+        attach.drop(o.store.index, cfg.redis_prefix, cfg.path, o.store_id, cfg.node_name)
+    finally:
+        o.close()
+    print(f"dropped store {o.store_id}: the next server to attach creates a new one, its regions cut for its own pages")
     return OK
 
 
@@ -377,9 +399,9 @@ def _exporter(args: argparse.Namespace, cfg: TierStoreConfig) -> int:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tierstore",
-        description="Look at, check, resize, clear and export a node's tierstore; run its embedded Redis. "
+        description="Look at, check, resize, clear, drop and export a node's tierstore; run its embedded Redis. "
                     "Exit codes: 0 done, 1 problems found, 2 bad usage or config, 3 index, Redis, directory or "
-                    "metrics URL unreachable, 4 no store there, 5 clear not confirmed.",
+                    "metrics URL unreachable, 4 no store there, 5 clear or drop not confirmed.",
     )
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--config", default=os.environ.get(CONFIG_ENV),
@@ -408,6 +430,10 @@ def _parser() -> argparse.ArgumentParser:
     cl.add_argument("--namespace", action="append", metavar="ID", help="a namespace id (from stats); repeatable")
     cl.add_argument("--yes", action="store_true", help="do not ask (needed without a terminal)")
     cl.set_defaults(run=_clear)
+
+    d = sub.add_parser("drop", parents=[joins], help="drop the whole store (the next server creates a new one)")
+    d.add_argument("--yes", action="store_true", help="do not ask (needed without a terminal)")
+    d.set_defaults(run=_drop)
 
     g = sub.add_parser("gc", parents=[joins], help="remove store directories no store in the index claims")
     g.add_argument("--min-age-s", type=float, default=3600.0, metavar="S",
