@@ -56,3 +56,15 @@ def test_the_readme_stays_short_and_every_doc_is_linked_from_it() -> None:
     assert len(readme.splitlines()) <= 300
     for doc in (ROOT / "docs").glob("*.md"):
         assert f"docs/{doc.name}" in readme, f"docs/{doc.name} is not linked from the README"
+
+
+def test_testing_md_places_every_test_file_and_each_says_what_it_shows() -> None:
+    """docs/testing.md lists the layers and places each test file in one; what a file shows
+    is its own docstring, which every test file has (a list of what each test checks would
+    drift from the tests)."""
+    import ast
+
+    text = (ROOT / "docs" / "testing.md").read_text()
+    files = sorted(p.name for p in (ROOT / "tests").glob("test_*.py"))
+    assert [f for f in files if f"`{f}`" not in text] == []
+    assert [f for f in files if not ast.get_docstring(ast.parse((ROOT / "tests" / f).read_text()))] == []

@@ -134,6 +134,42 @@ def test_every_process_keeps_free_regions_for_the_stores_capacity(cfg: dict[str,
         b.close()
 
 
+def test_a_writer_never_waits_for_housekeeping_giving_its_stock_back(cfg: dict[str, Any],
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Housekeeping gives an idle writer's stock back (a Redis round trip, holding that
+    stock) just as the writer writes again: the write goes on under a new lease instead of
+    waiting, and the stock it left is given back at the next tidy."""
+    st = engine(cfg)
+    try:
+        ns = st.namespace({"m": "no-wait"}, 64 << 10)
+        assert all(st.write(ns, keys(4, "a"), views(pages(4, 64 << 10, 1)), False))
+        a = st.space.attached()
+        in_release, go_on = threading.Event(), threading.Event()
+        real_calls = st.index.calls
+
+        def slow_release(calls: Any) -> Any:
+            if calls and calls[0][0] == "release" and not go_on.is_set():
+                in_release.set()
+                go_on.wait(10)
+            return real_calls(calls)
+
+        monkeypatch.setattr(st.index, "calls", slow_release)
+        tidy = threading.Thread(target=a.leases.tidy, args=(False, True))  # the process idle: stocks go back
+        tidy.start()
+        try:
+            assert in_release.wait(10)
+            assert all(st.write(ns, keys(4, "b"), views(pages(4, 64 << 10, 2)), False))
+            assert tidy.is_alive()  # written while the release still hung (a writer waiting for it would come after)
+        finally:
+            go_on.set()
+            tidy.join(30)
+        assert a.leases.tidy(False) == 1  # the stock it left, given back
+        assert st.exists([(ns, keys(4, "a") + keys(4, "b"))]) == [[True] * 8]
+        assert inspect.check(st) == []
+    finally:
+        st.close()
+
+
 def test_stocks_of_threads_that_exited_are_given_back(cfg: dict[str, Any]) -> None:
     st = engine(cfg, lease_s=1.0)
     try:
@@ -313,25 +349,29 @@ def test_housekeeping_never_waits_for_a_writer_whose_lease_expired(cfg: dict[str
 
 def test_an_idle_store_costs_redis_next_to_nothing_whatever_housekeeping_s(cfg: dict[str, Any],
                                                                            redis_proc: RedisProc) -> None:
-    """At the fastest ``housekeeping_s`` allowed, a store nobody reads or writes backs off:
-    over 4 s of idleness (after the ramp), a few passes' worth of commands reach Redis, not
-    one pass per 50 ms; a write wakes it, and the next pass runs at once."""
+    """At the fastest ``housekeeping_s`` allowed, the passes of a store nobody reads or
+    writes come four times further apart each time, up to ``idle_max_s`` (5 s while it holds
+    a lease to renew), each costing Redis one sweep call per shard; a write brings the short
+    wait back and wakes a thread that was waiting long."""
     from monitor import Monitor
 
-    st = engine(cfg, housekeeping_s=0.05)
-    st.start_housekeeping()
+    st = engine(cfg, housekeeping_s=0.05, index_shards=2)
+    hk = st.space.housekeeping
     try:
         ns = st.namespace({"m": "idle"}, 64 << 10)
         assert all(st.write(ns, keys(4, "idle"), views(pages(4, 64 << 10, 1)), False))
-        time.sleep(3.5)  # the waits grow fourfold: 0.05 ... 3.2 s
+        assert hk.run_once()  # the write's pass
+        waits, wait = [], 0.05
+        for _ in range(5):
+            wait = hk.next_wait(hk.run_once(audit=False), wait)
+            waits.append(wait)
+        assert waits == [0.2, 0.8, 3.2, 5.0, 5.0]  # where one pass per 50 ms would be 100 passes in 5 s
         mon = Monitor(redis_proc.port)
-        time.sleep(4.0)
-        idle = sum(mon.commands().values())
-        assert idle <= 3 * 6, f"{idle} commands in 4 s of idleness (one pass per 50 ms would be 80 passes)"
-        mon = Monitor(redis_proc.port)
+        assert not hk.run_once(audit=False)
+        assert mon.commands() == {"FCALL": 2}  # one sweep per shard (what the sweeps run inside not counted)
         assert all(st.write(ns, keys(4, "woken"), views(pages(4, 64 << 10, 2)), False))
-        time.sleep(0.5)
-        assert any("_sweep" in line for line in mon.lines())  # a housekeeping pass ran within 0.5 s of the write
+        assert hk._wake.is_set()  # the waiting thread runs its next pass now...
+        assert hk.next_wait(hk.run_once(audit=False), wait) == 0.05  # ...and the next comes soon after
     finally:
         st.close()
 
@@ -402,7 +442,7 @@ def test_a_full_small_store_keeps_a_free_region_so_each_write_is_one_round_trip(
     """16 regions (2% of them is none): once full, housekeeping still keeps one region
     free, so the commit that fills the open region restocks from it and every batch of a
     steady writer is one function call."""
-    from monitor import Monitor
+    from monitor import Monitor, monitor_args
 
     small = {**cfg, "capacity_gb": 1 * MiB / (1 << 30)}  # sixteen 64 KiB regions
     st = engine(small)

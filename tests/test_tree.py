@@ -10,7 +10,6 @@ prefetches from it, loads back to its device pool, and every KV byte is compared
 from __future__ import annotations
 
 import json
-import time
 import unittest
 import uuid
 from typing import Any, Optional
@@ -169,12 +168,9 @@ class TierStoreTree(UnifiedRadixCacheStorageFixtures, unittest.TestCase):
         seq = self._make_seq(3, 6)
         backend = prod.cache_controller.storage_backend
         pages = 6 * (2 if self.cfg.has_swa else 1)  # KV pages, and as many SWA pages
-        self._insert(prod, alloc, rtp, seq)  # first hit: nothing goes to L3
-        deadline = time.monotonic() + 1.0
-        while time.monotonic() < deadline:
-            prod.writing_check()
-            prod.check_hicache_events()
-            time.sleep(0.02)
+        self._insert(prod, alloc, rtp, seq)  # first hit: nothing goes to host, so nothing to L3
+        self._pump_hicache_until(prod, lambda: (prod.writing_check() or True) and not prod.ongoing_write_through,
+                                 "a host backup of the first hit still running")
         self._flush_l3_backups(prod)
         first = backend.store.stats().get("write_stored", 0)
         self._insert(prod, alloc, rtp, seq)  # second hit: backed up to host, then to L3

@@ -131,6 +131,15 @@ class Housekeeper:
         cfg = self.space.cfg
         return max(cfg.housekeeping_s, min(IDLE_MAX_S, cfg.lease_s / 4) if self._holding else self.idle_audit_s)
 
+    def next_wait(self, busy: bool, wait: float) -> float:
+        """How long the thread waits for the next pass after one that was ``busy`` (or not),
+        which followed a wait of ``wait``: ``housekeeping_s`` while busy, else four times as
+        long as the last, up to :attr:`idle_max_s` (a read or write cuts it short: :meth:`wake`)."""
+        base = self.space.cfg.housekeeping_s
+        wait = base if busy else min(self.idle_max_s, IDLE_BACKOFF * wait)
+        self._backing_off = wait > base
+        return wait
+
     def wake(self) -> None:
         """Pages are being read or written: an idle-backed-off thread runs a pass now."""
         if self._backing_off:
@@ -179,9 +188,7 @@ class Housekeeper:
             except Exception as e:  # never let the thread die: it is how the store heals
                 self.space.metrics.error("internal")
                 self.space.log.exception("internal:housekeeping", "housekeeping crashed; continuing", exc=e)
-            base = self.space.cfg.housekeeping_s
-            wait = base if busy else min(self.idle_max_s, IDLE_BACKOFF * wait)
-            self._backing_off = wait > base
+            wait = self.next_wait(busy, wait)
 
     def start(self, on_index_down: Optional[Callable[[], None]] = None) -> None:
         """Run a pass every ``housekeeping_s`` in a daemon thread; ``on_index_down`` is

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence, Union
 
 from sglang_tierstore.errors import IndexUnavailable
 from sglang_tierstore.index import RedisIndex
@@ -134,12 +135,12 @@ class Leases:
         self._local.stock = st
         return st
 
-    def writing(self) -> threading.RLock:
-        """The lock held around a write (from taking slots to their commit), taken: the
-        caller releases it. Never waits: housekeeping holds a stock's lock only while it
-        gives the stock back (a Redis round trip), and a writer that finds it so takes a
-        stock under a new lease (its next call leases anew) and leaves the old one to
-        housekeeping."""
+    @contextmanager
+    def writing(self) -> Iterator[None]:
+        """Held around a write, from taking slots to their commit: this thread's stock is
+        its own meanwhile. Never waits: housekeeping holds a stock only while it gives the
+        stock back (a Redis round trip), and a writer that finds it so takes a stock under a
+        new lease (its next call leases anew) and leaves the old one to housekeeping."""
         st = self._mine()
         if not st.lock.acquire(blocking=False):
             new = self._new_stock()
@@ -147,7 +148,10 @@ class Leases:
             st.orphaned = True
             st = new
             st.lock.acquire()
-        return st.lock
+        try:
+            yield
+        finally:
+            st.lock.release()
 
     def _stock(self, shard: int) -> list[Range]:
         """This thread's slots in a shard, if its lease there was renewed within half its

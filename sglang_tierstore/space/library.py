@@ -12,9 +12,10 @@ chooses between:
   server has functions (Redis >= 7.0, Valkey). The first choice: a library is stored in
   the server's AOF/RDB and replicated, so a restart or a failover to a replica finds it
   loaded (no reload on NOSCRIPT after every restart, and no window where a new master
-  answers NOSCRIPT to every writer at once); functions are called by name, and redis-py's
-  cluster pipelines allow FCALL where they refuse EVALSHA, which the scale-out issue needs;
-  read-only functions are flagged ``no-writes``, so they may run on replicas.
+  answers NOSCRIPT to every writer at once); functions are called by name, so a call sent
+  in a pipeline beside others (this project's round trips: :mod:`sglang_tierstore.index.wire`)
+  never has to be sent again after a NOSCRIPT; read-only functions are flagged
+  ``no-writes``, so they may run on replicas.
 - one script per function (the library, then ``return FUNCTIONS[name](KEYS, ARGV)``),
   by EVALSHA and SCRIPT LOAD on NOSCRIPT, where the server answers FCALL with "unknown
   command" (Redis 6, proxies and managed services without functions). Same code, same

@@ -3,6 +3,7 @@ written (the lease and stock protocol: docs/design.md, "The write path")."""
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from typing import Iterable, Mapping, Sequence
 from typing import Counter as CounterT
 
@@ -35,16 +36,14 @@ class Reservation:
         self.slots: dict[int, Slot] = {}  # batch position -> slot, placed or not
 
     def __enter__(self) -> "Reservation":
-        self._lock = self._a.leases.writing()
-        try:
+        with ExitStack() as stack:
+            stack.enter_context(self._a.leases.writing())
             self._place()
-        except BaseException:
-            self._lock.release()
-            raise
+            self._writing = stack.pop_all()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._lock.release()
+        self._writing.close()
 
     def _place(self) -> None:
         a, pb = self._a, self.page_bytes
