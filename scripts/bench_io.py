@@ -68,7 +68,7 @@ memory on the same disk:
         queueing of ours, so ts / disk under writes is what our queueing adds.
 Each system runs three phases, all six interleaved in a new random order each round (--seed):
   read   --reads read batches alone, each after a random pause of up to --pause (idle latency)
-  write  write batches back to back, at least 1 GiB a round (the write limit)
+  write  write batches back to back, at least --write-mib a round (1 GiB: the write limit)
   mixed  one thread writes batches back to back; from the end of its first batch the reads
          run as in "read" while it goes on (read latency under writes; write GB/s of the
          batches after the first, which overlap the reads)
@@ -124,12 +124,13 @@ BATCH = 128
 REDIS_FLAGS = ["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
 # page bytes -> MHA geometry (tokens per page, layers, KV heads, head dim), bf16, K and V
 GEOMETRY = {
+    64 << 10: (4, 8, 8, 64),  # the smoke runs' size: the same code, a quarter of the bytes
     256 << 10: (16, 8, 8, 64),
     1 << 20: (64, 8, 8, 64),
     2 << 20: (64, 16, 8, 64),
     8 << 20: (64, 32, 8, 128),  # 64 tokens of Llama-3-8B
 }
-MLA_LAYERS = {256 << 10: 4, 1 << 20: 14, 2 << 20: 28, 8 << 20: 112}  # 64 tokens x 1152 B per layer
+MLA_LAYERS = {64 << 10: 1, 256 << 10: 4, 1 << 20: 14, 2 << 20: 28, 8 << 20: 112}  # 64 tokens x 1152 B per layer
 
 
 def sgl_key() -> str:
@@ -717,7 +718,7 @@ def mixed_rounds(mix: Mix, phase: str, reads: int, writes: int, pause: float, rn
 
 
 def bench_mixed(work: str, url: str, size: int, threads: int, repeat: int, reads: int, pause: float,
-                rng: random.Random) -> dict[str, Any]:
+                rng: random.Random, write_bytes: int = 1 << 30) -> dict[str, Any]:
     """tierstore ("ts") and the O_DIRECT limit ("disk") at one page size, all phases of
     both interleaved, in a new random order each round."""
     p, layers, heads, dim = GEOMETRY[size]
@@ -726,7 +727,7 @@ def bench_mixed(work: str, url: str, size: int, threads: int, repeat: int, reads
                     tokens=-(-(BATCH + read_pages) // 2) * p)  # host pool: twice that, the write and read pages
     assert page_bytes(pool) == size
     fill(pool, 0)
-    writes = max(2, (1 << 30) // (size * BATCH))  # at least 1 GiB per round
+    writes = max(2, write_bytes // (size * BATCH))  # at least write_bytes per round (1 GiB: the write limit)
     mixes: dict[str, Mix] = {}
     redis_ms: list[float] = []
     try:
@@ -825,13 +826,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", default="/var/tmp/tierstore-bench")
     ap.add_argument("--mixed", action="store_true", help="the mixed read/write benchmark instead")
-    ap.add_argument("--sizes", help="default 256K,1M,2M,8M; with --mixed 256K,2M,8M")
+    ap.add_argument("--sizes", help="default 256K,1M,2M,8M; with --mixed 256K,2M,8M (64K: for smoke runs)")
     ap.add_argument("--threads", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--probe-repeat", type=int, default=300)
     ap.add_argument("--reads", type=int, default=20, help="--mixed: read batches per phase and round")
     ap.add_argument("--pause", type=float, default=0.01, help="--mixed: longest random pause before a read batch (s)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the round order")
+    ap.add_argument("--write-mib", type=int, default=1024,
+                    help="--mixed: MiB written per round in the write phase, at least (1 GiB: the write limit)")
     ap.add_argument("--systems", type=lambda v: frozenset(v.split(",")),
                     help=f"without --mixed: only these of {','.join(SYSTEMS)} (default all)")
     ap.add_argument("--out")
@@ -854,7 +857,7 @@ def main() -> int:
         for spec in (a.sizes or ("256K,2M,8M" if a.mixed else "256K,1M,2M,8M")).split(","):
             size = int(spec[:-1]) * units[spec[-1]]
             if a.mixed:
-                row = bench_mixed(work, url, size, a.threads, a.repeat, a.reads, a.pause, rng)
+                row = bench_mixed(work, url, size, a.threads, a.repeat, a.reads, a.pause, rng, a.write_mib << 20)
                 print_mixed(spec, row)
             else:
                 row = bench_size(work, url, size, a.threads, a.repeat, rng, a.systems)

@@ -94,13 +94,13 @@ SUITE = ("tests/**/*", "scripts/*.py", "scripts/setup.sh", "scripts/requirements
 
 JOBS: tuple[Job, ...] = (
     Job("bench_io", "bench_io.py", ("--repeat", "11", "--probe-repeat", "1000", "--out", "{dir}/bench_io.json"),
-        ("--sizes", "256K", "--repeat", "2", "--probe-repeat", "5", "--out", "{dir}/bench_io.json"),
+        ("--sizes", "64K", "--repeat", "2", "--probe-repeat", "5", "--out", "{dir}/bench_io.json"),
         ("bench_io.json", "bench_io.txt"), "bench_io.txt", 10),
     Job("bench_mixed", "bench_io.py", ("--mixed", "--repeat", "15", "--out", "{dir}/bench_mixed.json"),
-        ("--mixed", "--sizes", "256K", "--repeat", "2", "--reads", "2", "--out", "{dir}/bench_mixed.json"),
+        ("--mixed", "--sizes", "256K", "--repeat", "2", "--reads", "2", "--write-mib", "64", "--out", "{dir}/bench_mixed.json"),
         ("bench_mixed.json", "bench_mixed.txt"), "bench_mixed.txt", 12),
     Job("bench_staging", "bench_staging.py", ("--repeat", "11", "--out", "{dir}/bench_staging.json"),
-        ("--sizes", "256K", "--repeat", "2", "--out", "{dir}/bench_staging.json"),
+        ("--sizes", "64K", "--repeat", "2", "--out", "{dir}/bench_staging.json"),
         ("bench_staging.json", "bench_staging.txt"), "bench_staging.txt", 6),
     Job("bench_tags", "bench_tags.py", ("--reps", "15", "--out", "{dir}/bench_tags.json"),
         ("--reps", "3", "--out", "{dir}/bench_tags.json"), ("bench_tags.json", "bench_tags.txt"), "bench_tags.txt", 2),

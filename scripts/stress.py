@@ -30,7 +30,8 @@ nobody read are dropped by the read path), the dead workers' leases expire (``--
 and ``check()`` must find nothing. Counts come from per-worker report files rewritten
 every second: what a killed worker did since its last report is lost (at most a second
 of its counts; wrong pages are reported at once). The exit status is non-zero on a wrong
-page, an exception other than ``IndexUnavailable`` out of a store call, a worker that
+page, an exception other than ``StoreUnavailable`` (the index down or refusing, no store
+attached yet) out of a store call, a worker that
 died by itself or hung, an entry of the store's own failing its tag, a problem
 ``check()`` found or a lease left after expiry.
 """
@@ -64,7 +65,8 @@ from tqdm import tqdm
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the package next to this script
 
-from sglang_tierstore import IndexUnavailable, TierStore, TierStoreConfig  # noqa: E402
+from sglang_tierstore import TierStore, TierStoreConfig  # noqa: E402
+from sglang_tierstore.errors import StoreUnavailable  # noqa: E402
 from sglang_tierstore.config import redact_url  # noqa: E402
 from sglang_tierstore.embedded import ensure_embedded_redis, pid_file  # noqa: E402
 from sglang_tierstore.tools import inspect  # noqa: E402
@@ -248,7 +250,7 @@ def thread_loop(store: TierStore, nss: dict[int, Namespace], w: Workload, keys: 
         op, size, ks = pick(rnd, w, keys)
         try:
             OP_FNS[op](store, nss[size], ks, pages, tally, busy, t)
-        except IndexUnavailable:
+        except StoreUnavailable:
             tally.add(index_unavailable=1)
             time.sleep(0.01)  # the breaker answers at once: do not spin
         except Exception as e:
@@ -385,7 +387,7 @@ class Phases:
     are lost, as everywhere in this run)."""
 
     CAUSES = ("full", "too_big", "unreached", "file_unready", "io_error", "io_timeout", "file_gone", "refused", "detached")
-    # pages of write calls that raised (IndexUnavailable, or no store attached): counted by the store,
+    # pages of write calls that raised (StoreUnavailable: the index down, no store attached): counted by the store,
     # never offered in the tally
     FIELDS = ("pages_stored", "pages_not_stored", "write_raised", "write_not_attached", *(f"write_{c}" for c in CAUSES))
 
@@ -517,13 +519,13 @@ class Run:
 
     @staticmethod
     def until(call: Callable[[], object], limit_s: float = 60) -> Optional[float]:
-        """When ``call`` first returns without IndexUnavailable (monotonic), or None."""
+        """When ``call`` first returns without StoreUnavailable (monotonic), or None."""
         deadline = time.monotonic() + limit_s
         while time.monotonic() < deadline:
             try:
                 call()
                 return time.monotonic()
-            except IndexUnavailable:
+            except StoreUnavailable:
                 time.sleep(0.01)
         return None
 
@@ -536,7 +538,7 @@ class Run:
         try:
             stored = [k for k, f in zip(candidates, self.store.exists([(ns, candidates)])[0]) if f]
             where = inspect.where(self.store, ns, self.rnd.choice(stored)) if stored else None
-        except IndexUnavailable:
+        except StoreUnavailable:
             return
         if where is not None:
             path, offset, _ = where
@@ -559,7 +561,7 @@ class Run:
     def set_capacity(self, cap: int) -> bool:
         try:
             self.store.space.set_capacity(cap)
-        except IndexUnavailable:
+        except StoreUnavailable:
             return False
         self.current_capacity = cap
         return True
@@ -660,7 +662,7 @@ class Run:
             try:
                 inspect.usage(self.store)
                 return
-            except IndexUnavailable:
+            except StoreUnavailable:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.1)
@@ -772,7 +774,7 @@ def table(s: dict[str, Any]) -> str:
                     f"{f['worker_kills_mid_write']} mid-write), {f['redis_kills']} Redis kill -9s and restarts, "
                     f"{f['bit_flips']} bit flips, {f['capacity_lowered']} capacity cuts")),
         ("Redis restarts", restarts),
-        ("IndexUnavailable", f"{s['index_unavailable']:,} calls"),
+        ("StoreUnavailable", f"{s['index_unavailable']:,} calls (the index down or refusing, or no store attached)"),
         ("failed verification", f"{s['pages_failed_verification']:,} pages (misses, dropped)"),
         ("final scrub", f"{s['scrub']['verified']:,} of {s['scrub']['present']:,} stored pages verified, the rest misses"),
         ("wrong pages", str(fail["wrong_pages"])),

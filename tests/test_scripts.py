@@ -36,14 +36,14 @@ def test_bench_ab_builds_each_engines_helper_and_tables_both(tmp_path: Path) -> 
     compares them."""
     before = worktrees()
     out = run(str(SCRIPTS / "bench_ab.py"), "--old", "HEAD", "--new", "HEAD", "--runs", "1",
-              "--out", str(tmp_path), "--", "--sizes", "256K", "--repeat", "2", "--probe-repeat", "5", "--systems", "disk,ts_v1", timeout=280)
+              "--out", str(tmp_path), "--", "--sizes", "64K", "--repeat", "2", "--probe-repeat", "5", "--systems", "disk,ts_v1", timeout=280)
     assert out.count("its C helper built in the worktree") == 2, out[-2000:]
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
     for name in ("old", "new"):  # each ran its own worktree's engine ("." is the stamping script's checkout)
         stamp = json.loads((tmp_path / f"{name}_1.json").read_text())["stamp"]
         assert (stamp["engine"], stamp["commit"]) == (".", head), stamp
     rows = [line for line in out.splitlines() if line.startswith("cold read / O_DIRECT read")]
-    assert len(rows) == 1 and "256K" in rows[0], out[-2000:]
+    assert len(rows) == 1 and "64K" in rows[0], out[-2000:]
     assert worktrees() == before  # its worktrees are gone again
 
 
