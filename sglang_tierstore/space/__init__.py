@@ -24,7 +24,8 @@ Shards
     shard, all under the shard's hash tag, so on Redis/Valkey Cluster it runs on one slot.
 
 Rooms: :mod:`.attach` (which store a path belongs to), :mod:`.leases` (writers' slots),
-:mod:`.files` (page files' lives), :mod:`.housekeeping` (when background work runs).
+:mod:`.files` (page files' lives), :mod:`.housekeeping` (when background work runs),
+:mod:`.orphans` (store directories the index lost).
 :class:`Space` (here) attaches, detaches and closes; an :class:`~.attachment.Attachment`
 owns the store's keys for the layers above (entries, namespaces, recency) and drops pages;
 a :class:`~.reservation.Reservation` leases slots for a write (adding page files and
@@ -54,6 +55,7 @@ from sglang_tierstore.pagefile import PageFiles
 from sglang_tierstore.perms import Modes
 from sglang_tierstore.schema import ns_value
 import sglang_tierstore.space.attach as attach
+import sglang_tierstore.space.orphans as orphans
 from sglang_tierstore.space.attachment import Attachment
 from sglang_tierstore.space.geometry import check_capacity
 from sglang_tierstore.space.housekeeping import Housekeeper
@@ -205,12 +207,24 @@ class Space:
                 self._retry_at = self.clock() + cfg.redis_retry_s
             self._failure = e
             raise
-        self._first = False
+        first, self._first = self._first, False
         a = Attachment(home, self.index, cfg, self.modes, self._token, self.clock, self.metrics, self.log,
                        self._page_files, read_only=self.observe, on_use=self.used)
         if not self.observe:
             self._register(a)
+            if first:
+                self._say_orphans(a)
         return a
+
+    def _say_orphans(self, a: Attachment) -> None:
+        """At a serving process's first attach, one warning naming the store directories no
+        store in the index claims (:mod:`.orphans`): they hold disk space nothing counts."""
+        try:
+            found = orphans.find(self.index, self.cfg.redis_prefix, self.cfg.path)
+        except TierStoreError as e:  # a hint: the store works without it
+            self.log.warning("orphans", "looking for orphaned store directories failed: %s", e)
+            return
+        orphans.say(self.log, found, self.cfg, a.shared)
 
     def detach(self, e: StoreDetached, a: Optional[Attachment] = None) -> None:
         """The store is gone from the index: drop the attachment (``a``, or whatever is

@@ -25,10 +25,12 @@ finds it lost before it writes (:meth:`_Lock.still_held`). It adopts the store t
 the index knows it, else another store directory under the prefix that the index knows
 (each store directory carries a marker of its own), and otherwise creates one, once it
 knows the largest page the store is for (its region size depends on it; until then the
-process answers misses). No directory is ever removed because this index lacks its store:
-on a shared filesystem another node's index may hold it (or this node was given the wrong
-``redis_url``); the process starts a store of its own beside it and says why, and
-``tierstore gc`` removes store directories that no index holds. A store is never re-cut for a capacity: the first process's
+process answers misses). Attaching never removes a directory because this index lacks
+its store: on a shared filesystem another node's index may hold it (or this node was given
+the wrong ``redis_url``); the process starts a store of its own beside it and says why.
+Such directories are orphans (:mod:`.orphans`): counted, and removed by ``tierstore gc``,
+or by housekeeping only where the index is the embedded one under them. A store is never
+re-cut for a capacity: the first process's
 ``capacity_gb`` and pages set it, and a process started with another ``capacity_gb`` logs
 both values and uses the store's (``tierstore resize`` changes it). At its first attach a
 process drops a store of another format version, or of the layout before regions (keys
@@ -248,7 +250,7 @@ def _write_marker(path: str, prefix: str, store_id: str, dir_id: str, m: Modes) 
     write_file(os.path.join(prefix_dir(path, prefix), MARKER), doc, m)
 
 
-def _stored_meta(index: RedisIndex, prefix: str, store_id: str) -> dict[str, str]:
+def stored_meta(index: RedisIndex, prefix: str, store_id: str) -> dict[str, str]:
     return {k.decode(): v.decode() for k, v in index.hgetall(meta_key(store_tag(prefix, store_id), "meta")).items()}
 
 
@@ -268,7 +270,7 @@ def observe(index: RedisIndex, prefix: str, paths: Sequence[str]) -> Home:
         raise NoStore(f"no store with prefix {prefix!r} in {', '.join(paths)} "
                       "(no server has used these directories with this prefix yet)")
     store_id = ids[0]
-    meta = _stored_meta(index, prefix, store_id)
+    meta = stored_meta(index, prefix, store_id)
     if not meta:
         raise NoStore(f"the directories name store {store_id} (prefix {prefix!r}), but the index holds nothing for it "
                       "(Redis lost its data, or this is not the Redis its servers use)")
@@ -331,7 +333,7 @@ def drop(index: RedisIndex, prefix: str, paths: Sequence[str], store_id: str, no
     index's functions and attach anew; the first creates a new store, cut for its own
     largest page. False if the index holds nothing for it."""
     with _index_locked(index, prefix, node or socket.gethostname()):
-        meta = _stored_meta(index, prefix, store_id)
+        meta = stored_meta(index, prefix, store_id)
         if not meta:
             return False
         _drop_store(index, prefix, store_id, meta, paths)
@@ -367,7 +369,7 @@ def attach(index: RedisIndex, prefix: str, paths: Sequence[str], capacity: int, 
         raise StoreDirsUnavailable(f"the store's directories cannot be written now ({e.filename}: {e.strerror})") from e
 
 
-def _store_dirs(paths: Sequence[str], prefix: str) -> Iterator[tuple[str, str]]:
+def store_dirs(paths: Sequence[str], prefix: str) -> Iterator[tuple[str, str]]:
     """(store id, directory) of every directory under the prefix in these paths named like a store."""
     for p in paths:
         try:
@@ -383,31 +385,10 @@ def _store_dirs(paths: Sequence[str], prefix: str) -> Iterator[tuple[str, str]]:
 def _stores_here(paths: Sequence[str], prefix: str) -> list[str]:
     """Ids of the store directories under the prefix in these paths that carry their own marker."""
     found: list[str] = []
-    for name, d in _store_dirs(paths, prefix):
+    for name, d in store_dirs(paths, prefix):
         if name not in found and _read_own_marker(d, prefix, name) is not None:
             found.append(name)
     return found
-
-
-def unclaimed(index: RedisIndex, prefix: str, paths: Sequence[str], older_than: float) -> list[tuple[str, str]]:
-    """(store id, directory) of each store directory under the prefix in these paths that
-    this index does not hold and where nothing changed since ``older_than`` (a time):
-    what ``tierstore gc`` removes. Reads only."""
-    out = []
-    for name, d in _store_dirs(paths, prefix):
-        if _stored_meta(index, prefix, name):
-            continue
-        try:
-            newest = max([os.stat(d).st_mtime, *(e.stat().st_mtime for e in os.scandir(d))])
-        except OSError:
-            continue
-        if newest < older_than:
-            out.append((name, d))
-    return out
-
-
-def remove_store_dir(d: str) -> None:
-    shutil.rmtree(d)
 
 
 def _adopt(index: RedisIndex, prefix: str, paths: Sequence[str], ids: Sequence[str],
@@ -419,7 +400,7 @@ def _adopt(index: RedisIndex, prefix: str, paths: Sequence[str], ids: Sequence[s
     unknown = []
     found: list[tuple[float, str, dict[str, str]]] = []
     for store_id in [*ids, *(x for x in _stores_here(paths, prefix) if x not in ids)]:
-        meta = _stored_meta(index, prefix, store_id)
+        meta = stored_meta(index, prefix, store_id)
         if not meta:
             unknown.append(store_id)
         elif int(meta.get("format", 0)) != FORMAT:
@@ -441,7 +422,8 @@ def _adopt(index: RedisIndex, prefix: str, paths: Sequence[str], ids: Sequence[s
     if unknown:
         logger.warning("tierstore: this index holds nothing for store(s) %s in %s (Redis lost its data, it was dropped, "
                        "or another node's index holds it: check redis_url); their directories stay (`tierstore gc` "
-                       "removes what no index holds) and a new store starts beside them", ", ".join(unknown),
+                       "removes them, and with the embedded index housekeeping after orphan_gc_s) and a new store "
+                       "starts beside them", ", ".join(unknown),
                        ", ".join(paths))
     return None, {}
 

@@ -17,7 +17,9 @@ next write leases anew), and then waits up to ``lease_s``, auditing the files on
 ``idle_audit_s`` (``lease_s``) instead of every ``audit_s``: each wake-up is the cost
 (on a virtual machine whose idle core comes back cold, over a millisecond of CPU for a
 pass that takes a tenth of that hot), so an idle store wakes once a ``lease_s``, whatever
-``housekeeping_s`` is. Tests drive :meth:`Housekeeper.run_once` with an injected clock.
+``housekeeping_s`` is. Once per ``orphan_gc_s``, where the index is the embedded one under
+the page directories, orphaned store directories unchanged that long are removed
+(:mod:`.orphans`). Tests drive :meth:`Housekeeper.run_once` with an injected clock.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from sglang_tierstore.errors import IndexUnavailable, NoStoreYet, StoreDetached,
 from sglang_tierstore.index import RedisIndex
 from sglang_tierstore.io_engine import name_os_thread
 from sglang_tierstore.metrics import Metrics, RateLimitedLog
+import sglang_tierstore.space.orphans as orphans
 from sglang_tierstore.space.attachment import Attachment
 
 MAX_WORK = 256  # regions or leases handled per shard and call: bounds each call
@@ -68,6 +71,7 @@ class Housekeeper:
         self._last_audit = float("-inf")
         self._idle_since: Optional[float] = None  # the first pass that found nothing read or written
         self._holding = True  # whether the last pass left this process a lease to renew
+        self._next_reap = float("-inf")  # when orphaned store directories are looked for next
 
     @property
     def audit_s(self) -> float:
@@ -105,6 +109,7 @@ class Housekeeper:
             work = self.sweep(a, release)
             while work >= MAX_WORK:  # shrinking a lot at once: keep going, a bounded call at a time
                 work = self.sweep(a, release)
+            work += self.reap_orphans(a, now)
             self._holding = a.leases.holding()
             return work > 0 or space.activity != self._activity or self._draining
         except StoreUnavailable as e:  # the index down, full or read-only, the disk full, no store yet
@@ -173,6 +178,31 @@ class Housekeeper:
         self._draining = draining > 0
         space.metrics.housekeeping("stocks_tidied", leases.tidy(draining > 0, release_idle))
         return work
+
+    def reap_orphans(self, a: Attachment, now: float) -> int:
+        """Remove the store directories no store in the index claims and where nothing
+        changed for ``orphan_gc_s``, where this process may (:func:`.orphans.reaped`), at
+        most once per ``orphan_gc_s`` (each look reads the index once per store directory);
+        the directories removed (``tierstore_housekeeping_total{action="orphans_removed"}``)."""
+        space, cfg = self.space, self.space.cfg
+        if not orphans.reaped(cfg, a.shared) or now < self._next_reap:
+            return 0
+        self._next_reap = now + cfg.orphan_gc_s
+        removed = 0
+        for o in orphans.find(space.index, cfg.redis_prefix, cfg.path):
+            if o.store_id == a.geometry.store_id or o.newest > now - cfg.orphan_gc_s:
+                continue
+            try:
+                orphans.remove(o)
+            except OSError as e:
+                space.log.warning("orphans:remove", "cannot remove the orphaned store directory %s: %s", o.path, e)
+                continue
+            removed += 1
+            space.log.warning(f"orphans:{o.path}", "removed store directory %s (%.1f MiB on disk): the embedded index "
+                              "holds nothing for store %s and nothing in it changed for %g s (orphan_gc_s)", o.path,
+                              o.disk_bytes / orphans.MiB, o.store_id, cfg.orphan_gc_s)
+        space.metrics.housekeeping("orphans_removed", removed)
+        return removed
 
     def _loop(self) -> None:
         name_os_thread("tierstore-hk")

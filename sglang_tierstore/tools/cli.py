@@ -5,9 +5,10 @@ file ``PATH`` or ``@PATH`` ending in .json, .toml or .yaml) from ``--config`` or
 ``$TIERSTORE_CONFIG``.
 
 ``gc`` lists (and with ``--yes`` removes) store directories under ``path`` that the index
-does not hold and where nothing changed for an hour: on a shared filesystem a node never
-removes another store's directory by itself, since its own index lacking a store proves
-nothing for the fleet.
+does not hold and where nothing changed for an hour (:mod:`sglang_tierstore.space.orphans`,
+which ``stats`` and the exporter count too): on a shared filesystem, or with an external
+index, a serving process never removes another store's directory by itself, since its
+own index lacking a store proves nothing for the fleet.
 
 ``stats``, ``check``, ``clear``, ``drop`` and ``exporter`` look at a store that exists and create
 none: directories that are missing or hold no store marker, or an index that does not hold
@@ -57,6 +58,7 @@ from sglang_tierstore.tools.exporter import run_exporter
 from sglang_tierstore.tools.inspect import Opened, index_url, open_store
 from sglang_tierstore.perms import check_dirs, modes, remove_created
 from sglang_tierstore.space import attach
+import sglang_tierstore.space.orphans as orphans
 from sglang_tierstore.store import Namespace, open_index
 
 logger = logging.getLogger(__name__)
@@ -184,6 +186,7 @@ def render_stats(s: dict[str, Any], cfg: TierStoreConfig, metrics_url: Optional[
         ["used", f"{_size(s['used_bytes'])} in {u['pages']} pages"],
         ["leases", f"{u['leases']} outstanding, {s['leased_slots']} slots leased"],
         ["page files", u["files"]],
+        ["orphans", _orphans(s["orphans"])],
     ], left=frozenset({0, 1}))
     if s["page_sizes"]:
         lines += ["", *_table([["page size", "regions", "pages", "leased", "dead"]] +
@@ -207,6 +210,13 @@ def render_stats(s: dict[str, Any], cfg: TierStoreConfig, metrics_url: Optional[
         counters = [[f"  {k}", f"{v:.0f}" if v.is_integer() else f"{v:g}"] for k, v in s["counters"].items()]
         lines += _table(counters) if counters else ["  (none)"]
     return "\n".join(lines)
+
+
+def _orphans(o: dict[str, Any]) -> str:
+    if not o["dirs"]:
+        return "none"
+    return (f"{o['dirs']} store director{'y' if o['dirs'] == 1 else 'ies'} no store in the index claims, "
+            f"{_size(o['bytes'])} on disk: {', '.join(o['paths'])} (`tierstore gc` removes them)")
 
 
 # -- commands -------------------------------------------------------------------------
@@ -265,15 +275,16 @@ def _gc(args: argparse.Namespace, cfg: TierStoreConfig) -> int:
     where nothing changed for ``--min-age-s``: listed, and removed with ``--yes``."""
     idx = open_index(cfg, index_url(cfg, args.start_redis)[0])
     try:
-        found = attach.unclaimed(idx, cfg.redis_prefix, cfg.path, time.time() - args.min_age_s)
+        found = [o for o in orphans.find(idx, cfg.redis_prefix, cfg.path) if o.newest < time.time() - args.min_age_s]
     except IndexUnavailable as e:
         raise CliError(UNREACHABLE, f"cannot reach the index at {describe_target(index_url(cfg, False)[0])}: {e}") from None
     finally:
         idx.close()
-    for store_id, d in found:
+    for o in found:
         if args.yes:
-            attach.remove_store_dir(d)
-        print(f"{'removed' if args.yes else 'would remove'} {d} (store {store_id}: the index holds nothing for it)")
+            orphans.remove(o)
+        print(f"{'removed' if args.yes else 'would remove'} {o.path} (store {o.store_id}, {_size(o.disk_bytes)} on disk: "
+              "the index holds nothing for it)")
     if not found:
         print("nothing to remove: every store directory here is held by the index, or changed recently")
     elif not args.yes:

@@ -2,9 +2,9 @@
 
 Counters of pages read, hit and written live in each serving process (SGLang's
 ``/metrics``, :mod:`sglang_tierstore.metrics`); what only the index knows (capacity,
-regions by state, page sizes, pages, leases, Redis memory) is served here, read at
-scrape time (at most once per ``interval_s``) from a store joined as it is, creating
-nothing (:func:`sglang_tierstore.tools.inspect.open_store`).
+regions by state, page sizes, pages, leases, Redis memory, store directories it lost) is
+served here, read at scrape time (at most once per ``interval_s``) from a store joined as
+it is, creating nothing (:func:`sglang_tierstore.tools.inspect.open_store`).
 """
 
 from __future__ import annotations
@@ -42,6 +42,9 @@ def facts_metrics(f: Mapping[str, Any]) -> list[Metric]:
         ("leases", u["leases"], "Writers' leases outstanding (a writer that died holds one until lease_s)."),
         ("leased_slots", f["leased_slots"], "Slots handed to writers and not yet committed or given back."),
         ("page_files", u["files"], "Page files recorded in the index."),
+        ("orphan_dirs", f["orphans"]["dirs"], "Store directories under path that no store in the index claims (a "
+                                              "wiped or lost index): `tierstore gc` removes them."),
+        ("orphan_bytes", f["orphans"]["bytes"], "Disk space the files of those directories take."),
     ):
         g = _gauge(name, doc)
         g.add_metric([], value)

@@ -59,6 +59,7 @@ from sglang_tierstore.schema import (
     unpack_region,
 )
 from sglang_tierstore.perms import modes
+import sglang_tierstore.space.orphans as orphans
 from sglang_tierstore.space.attachment import Attachment
 from sglang_tierstore.space.geometry import Geometry, slots_per_region
 from sglang_tierstore.store import Namespace, TierStore
@@ -155,8 +156,11 @@ def where(store: TierStore, ns: Namespace, key: str) -> Optional[tuple[str, int,
 
 def index_facts(store: TierStore) -> dict[str, Any]:
     """What the index says of the whole store (no process's own counts): usage, page sizes,
-    Redis memory (None where INFO is refused, as the ACL of ``index.acl.acl_rule`` does)."""
+    Redis memory (None where INFO is refused, as the ACL of ``index.acl.acl_rule`` does),
+    and the store directories beside it that no store in the index claims (their number,
+    disk bytes and paths: :mod:`sglang_tierstore.space.orphans`)."""
     used = usage(store)
+    lost = orphans.find(store.index, store.cfg.redis_prefix, store.cfg.path)
     sizes = page_sizes(store)
     try:
         memory: Optional[int] = store.index.memory_used()
@@ -170,6 +174,7 @@ def index_facts(store: TierStore) -> dict[str, Any]:
         "leased_slots": sum(d["leased"] for d in sizes.values()),
         "page_sizes": [{"page_bytes": pb, **d} for pb, d in sorted(sizes.items())],
         "index_memory_bytes": memory,
+        "orphans": {"dirs": len(lost), "bytes": sum(o.disk_bytes for o in lost), "paths": [o.path for o in lost]},
     }
 
 
