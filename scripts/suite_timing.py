@@ -32,7 +32,7 @@ from provenance import header, stamp  # noqa: E402
 
 LANES = {
     "full": "bash .ci/run",
-    "fast": "bash scripts/setup.sh && python3 -m pytest -q --durations=15 -m 'not server' tests",
+    "fast": "bash scripts/setup.sh && python3 -m pytest -q -n 4 --durations=15 -m 'not server' tests",
 }
 QUICK = {"quick": "python3 -m pytest -q -n 0 --durations=15 tests/test_docs.py"}
 SUMMARY = re.compile(r"^=* ?(\d+ passed.*?) ?=*$", re.M)
