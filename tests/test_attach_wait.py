@@ -21,7 +21,7 @@ from engine_kit import engine
 from pools import fill, keys, mha_pool, page_indices, storage_config
 
 from sglang_tierstore import TierStore, TierStoreBackend
-from sglang_tierstore.errors import IndexUnavailable, StoreUnavailable
+from sglang_tierstore.errors import AttachBusy, StoreUnavailable
 from sglang_tierstore.index import RedisIndex
 from sglang_tierstore.space import attach
 from sglang_tierstore.space.library import LIBRARY
@@ -127,7 +127,7 @@ def test_a_stalled_holder_loses_the_lock_and_its_check_stops_it(redis_proc: Redi
         monkeypatch.setattr(attach, "RENEW_S", 60.0)  # a renewer that does not come back in time
         with attach._index_locked(index, prefix, "stalled") as lock:
             until(lambda: index.set_nx(attach.lock_key(prefix), "another", 10_000), "the lock lapsing", 5.0)
-            with pytest.raises(IndexUnavailable, match="lapsed"):
+            with pytest.raises(AttachBusy, match="lapsed"):
                 lock.still_held()
         assert index.get(attach.lock_key(prefix)) == b"another"  # its release took nothing of the other's
     finally:

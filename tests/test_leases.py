@@ -442,7 +442,7 @@ def test_a_full_small_store_keeps_a_free_region_so_each_write_is_one_round_trip(
     """16 regions (2% of them is none): once full, housekeeping still keeps one region
     free, so the commit that fills the open region restocks from it and every batch of a
     steady writer is one function call."""
-    from monitor import Monitor, monitor_args
+    from monitor import Monitor
 
     small = {**cfg, "capacity_gb": 1 * MiB / (1 << 30)}  # sixteen 64 KiB regions
     st = engine(small)

@@ -66,7 +66,7 @@ def send(topo: Topology, items: Sequence[Item], hold: bool = False) -> list[Any]
     ask: dict[int, Node] = {}
     unmapped: list[int] = []
     for attempt in range(REDIRECTS + 1):
-        topo.refresh_if_stale(now=bool(unmapped))
+        topo.refresh_if_stale(now=attempt == 1 and bool(unmapped))  # (unmapped items are tried again once)
         groups: dict[int, tuple[Node, list[int]]] = {}
         unmapped = []  # slots the map has no master for (read while the cluster was failing over)
         for k in todo:

@@ -122,6 +122,7 @@ class Space:
         if self.largest_page is None or page_bytes > self.largest_page:
             self.largest_page = page_bytes
             self._retry_at = -float("inf")
+            self.housekeeping.wake()  # (a pass that found no store to adopt backed off: a store can be made now)
         if self._att is not None:
             self._register(self._att)
 
@@ -152,14 +153,15 @@ class Space:
         a read or a write must not wait for an attach): while none is attached this raises
         at once the last attach's failure (StoreUnavailable, its ``kind`` says why: the index
         down, full or read-only, the directories full, another process attaching, no store
-        yet) and housekeeping attaches (:meth:`attach`). An operator's tool attaches here
-        (NoStore where there is no store)."""
+        yet) and housekeeping attaches (:meth:`attach`). An operator's tool, or an engine whose
+        housekeeping thread is not running, makes one try here (:meth:`attach`, which waits for
+        no lock; an operator's tool gets NoStore where there is no store)."""
         a = self._att
         if a is not None:
             return a
         if self._closed:
             raise StoreClosed("the store is closed")
-        if self.observe:
+        if self.observe or not self.housekeeping.running:  # (no thread to attach: the caller's one try)
             return self.attach()
         self.housekeeping.wake()
         raise _not_attached(self._failure)
@@ -175,14 +177,15 @@ class Space:
         if not self._attaching.acquire(blocking=False):
             raise AttachBusy("another thread of this process is attaching")
         try:
-            if self._att is None:
-                new = self._attach()
+            a = self._att
+            if a is None:
+                a = self._attach()
                 with self._lock:
                     if self._closed:  # closed meanwhile: what it opened goes too
-                        new.close_files()
+                        a.close_files()
                         raise StoreClosed("the store is closed")
-                    self._att = new
-            return self._att
+                    self._att = a
+            return a
         finally:
             self._attaching.release()
 
@@ -206,6 +209,11 @@ class Space:
             if e.kind != AttachBusy.kind:  # (busy: the next pass tries again)
                 self._retry_at = self.clock() + cfg.redis_retry_s
             self._failure = e
+            raise
+        except TierStoreError as e:  # a config error, a user the index refuses: the calls meanwhile say so
+            self._retry_at = self.clock() + cfg.redis_retry_s
+            self._failure = StoreUnavailable(str(e))
+            self._failure.kind = getattr(e, "kind", "store_unavailable")
             raise
         first, self._first = self._first, False
         a = Attachment(home, self.index, cfg, self.modes, self._token, self.clock, self.metrics, self.log,
@@ -234,6 +242,7 @@ class Space:
                 self._att.close_files()
                 self._att = None
                 self._failure = StoreUnavailable(f"{e}; attaching again")
+                self._failure.kind = "store_detached"
         self.metrics.error("store_detached")
         self.log.warning("detached", "%s; attaching again", e)
         self.housekeeping.wake()

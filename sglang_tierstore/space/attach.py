@@ -20,8 +20,9 @@ Lustre with ``noflock``, per mount on FUSE) and, as well, ``flock`` on every dir
 (where the filesystem has no locks, one log line). Neither lock is waited for: while another
 process holds one the attach is AttachBusy, and the caller (housekeeping) tries again at its
 next pass; the index's lock expires within ``LOCK_TTL_MS`` unless its holder renews it, so a
-holder killed or frozen mid-attach delays the others by that much at most, and a stalled one
-finds it lost before it writes (:meth:`_Lock.still_held`). It adopts the store the markers name if
+holder killed or frozen mid-attach delays the others by that much at most (one stuck past
+``HOLD_MAX_S`` stops renewing it), and a stalled one finds it lost before its next step that
+changes the store (:meth:`_Lock.still_held`). It adopts the store the markers name if
 the index knows it, else another store directory under the prefix that the index knows
 (each store directory carries a marker of its own), and otherwise creates one, once it
 knows the largest page the store is for (its region size depends on it; until then the
@@ -87,6 +88,7 @@ GiB = 1 << 30
 MARKER = "store.json"
 LOCK_TTL_MS = 5_000  # an attach lock whose holder died or stalled lapses after this
 RENEW_S = 1.0  # how often a holder renews it while it attaches
+HOLD_MAX_S = 60.0  # an attach stuck longer (a hung filesystem) stops renewing: the lock lapses for the others
 SHARDS_PER_MASTER = 4  # a cluster store's default shards per master: load spreads, a reshard moves a quarter
 _SAFE = re.compile(r"^[A-Za-z0-9_.-]+$")
 _LEGACY_KINDS = ("e", "c", "free", "pend", "lease", "lru", "bad")
@@ -179,14 +181,16 @@ class _Lock:
     done: threading.Event = field(default_factory=threading.Event)
 
     def still_held(self) -> None:
-        """Before writing what makes a store (its meta, the markers): IndexUnavailable if the
-        lock lapsed meanwhile (a stalled attach: another may be attaching now)."""
+        """Before each step that changes the store (dropping one, its meta, the markers):
+        AttachBusy if the lock lapsed meanwhile (a stalled attach: another may be attaching now)."""
         if self.held and (self.lost.is_set() or self.index.get(self.key) != self.token.encode()):
-            raise IndexUnavailable(f"the attach lock {self.key} lapsed during this attach: trying again later")
+            raise AttachBusy(f"the attach lock {self.key} lapsed during this attach: trying again later")
 
     def renew(self) -> None:
-        """The renewing thread: until the attach is done or the lock is found lost."""
-        while not self.done.wait(RENEW_S):
+        """The renewing thread: until the attach is done, the lock is found lost, or the
+        attach has held it ``HOLD_MAX_S`` (stuck: the lock lapses, and ``still_held`` stops it)."""
+        deadline = mod_time.monotonic() + HOLD_MAX_S
+        while not self.done.wait(RENEW_S) and mod_time.monotonic() < deadline:
             try:
                 if not self.index.extend_if(self.key, self.token, LOCK_TTL_MS):
                     self.lost.set()
@@ -332,10 +336,11 @@ def drop(index: RedisIndex, prefix: str, paths: Sequence[str], store_id: str, no
     lock: ``tierstore drop``. Processes attached to it detach at their next call of the
     index's functions and attach anew; the first creates a new store, cut for its own
     largest page. False if the index holds nothing for it."""
-    with _index_locked(index, prefix, node or socket.gethostname()):
+    with _index_locked(index, prefix, node or socket.gethostname()) as lock:
         meta = stored_meta(index, prefix, store_id)
         if not meta:
             return False
+        lock.still_held()
         _drop_store(index, prefix, store_id, meta, paths)
     return True
 
@@ -433,7 +438,9 @@ def _attach_locked(index: RedisIndex, prefix: str, paths: Sequence[str], capacit
     markers = [_read_marker(p, prefix) for p in paths]
     ids = _one_store(markers)
     if first:
+        lock.still_held()
         drop_legacy(index, prefix, paths)
+    lock.still_held()
     store_id, meta = _adopt(index, prefix, paths, ids, lock.held)
     if store_id is None:
         if largest_page is None:
@@ -463,6 +470,7 @@ def _attach_locked(index: RedisIndex, prefix: str, paths: Sequence[str], capacit
                        "applied (a store's capacity is its own: `tierstore resize` changes it)",
                        store_id, prefix, int(meta["capacity"]) / GiB, capacity / GiB)
     dirs: dict[str, str] = {}
+    lock.still_held()
     for p, m in zip(paths, markers):
         sd = store_dir(p, prefix, store_id)
         own = _read_own_marker(sd, prefix, store_id)

@@ -114,7 +114,7 @@ class Housekeeper:
             return work > 0 or space.activity != self._activity or self._draining
         except StoreUnavailable as e:  # the index down, full or read-only, the disk full, no store yet
             if e.kind == NoStoreYet.kind:
-                return False  # nothing to keep yet
+                return False  # nothing to keep yet (a namespace registered wakes the thread)
             space.log.warning("housekeeping", "housekeeping skipped: %s", e)
             if e.kind == IndexUnavailable.kind and self._on_index_down is not None:
                 self._on_index_down()
@@ -144,6 +144,11 @@ class Housekeeper:
         wait = base if busy else min(self.idle_max_s, IDLE_BACKOFF * wait)
         self._backing_off = wait > base
         return wait
+
+    @property
+    def running(self) -> bool:
+        """Whether the thread runs passes (:meth:`start`, until :meth:`stop`)."""
+        return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
 
     def wake(self) -> None:
         """Pages are being read or written: an idle-backed-off thread runs a pass now."""

@@ -126,10 +126,13 @@ class Leases:
             st.ranges, st.epoch = {}, self._epoch
         return st
 
-    def _new_stock(self) -> _Stock:
-        """A stock under a lease of its own for this thread (none in the index until its first call)."""
+    def _new_stock(self, locked: bool = False) -> _Stock:
+        """A stock under a lease of its own for this thread (none in the index until its first
+        call); ``locked``: its lock taken before housekeeping can see it."""
         with self._lock:
             st = _Stock(f"{self._token}.{self._next}", self._epoch)
+            if locked:
+                st.lock.acquire()
             self._next += 1
             self._stocks[st.lease] = st
         self._local.stock = st
@@ -143,11 +146,10 @@ class Leases:
         new lease (its next call leases anew) and leaves the old one to housekeeping."""
         st = self._mine()
         if not st.lock.acquire(blocking=False):
-            new = self._new_stock()
+            new = self._new_stock(locked=True)
             new.batches = {k: deque(v, maxlen=RECENT_BATCHES) for k, v in st.batches.items()}
             st.orphaned = True
             st = new
-            st.lock.acquire()
         try:
             yield
         finally:

@@ -53,7 +53,7 @@ from sglang_tierstore.embedded import (
     socket_path,
     stop_embedded_redis,
 )
-from sglang_tierstore.errors import ConfigError, IndexUnavailable, NoStore, TierStoreError
+from sglang_tierstore.errors import AttachBusy, ConfigError, IndexUnavailable, NoStore, TierStoreError
 from sglang_tierstore.tools.exporter import run_exporter
 from sglang_tierstore.tools.inspect import Opened, index_url, open_store
 from sglang_tierstore.perms import check_dirs, modes, remove_created
@@ -65,6 +65,7 @@ logger = logging.getLogger(__name__)
 
 OK, PROBLEMS, USAGE, UNREACHABLE, NO_STORE, DECLINED = range(6)
 CONFIG_ENV = "TIERSTORE_CONFIG"
+DROP_WAIT_S = 10.0  # how long `drop` retries while a server holds the attach lock (its expiry, and more)
 COUNTER_LABELS = frozenset({"op", "outcome", "kind", "action"})  # kept; others (ranks...) are summed over
 
 
@@ -338,7 +339,15 @@ def _drop(args: argparse.Namespace, cfg: TierStoreConfig) -> int:
         if not args.yes and not _confirm("drop", question):
             print("nothing dropped")
             return DECLINED
-        attach.drop(o.store.index, cfg.redis_prefix, cfg.path, o.store_id, cfg.node_name)
+        deadline = time.monotonic() + DROP_WAIT_S
+        while True:  # a server attaching holds the attach lock for a moment (or, dead, for its expiry)
+            try:
+                attach.drop(o.store.index, cfg.redis_prefix, cfg.path, o.store_id, cfg.node_name)
+                break
+            except AttachBusy:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
     finally:
         o.close()
     print(f"dropped store {o.store_id}: the next server to attach creates a new one, its regions cut for its own pages")
