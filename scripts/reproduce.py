@@ -55,7 +55,9 @@ from provenance import read_stamp  # noqa: E402
 
 ROOT = HERE.parent
 RESULTS = HERE / "results"
-ENGINE_ENTRY = ROOT / "sglang_tierstore" / "__init__.py"  # what SGLang's server loads, lazily the adapter
+# what SGLang's server loads: the package, which exports the adapter and the engine lazily (by name,
+# which no import statement shows), and those two
+ENGINE_ENTRIES = tuple(ROOT / "sglang_tierstore" / n for n in ("__init__.py", "adapter.py", "store.py"))
 CPU_HARNESS = ROOT / "tests" / "cpu_harness"  # the CPU server's flags, model and the shim it imports
 
 
@@ -345,7 +347,7 @@ def sources(job: Job) -> list[str]:
     index runs and the C the page I/O runs, for a job that starts SGLang servers the CPU
     harness they run in (a planning module no job imports is not the engine), and the files
     its ``extra`` patterns name."""
-    todo, seen = [ENGINE_ENTRY, HERE / job.script], set()
+    todo, seen = [*ENGINE_ENTRIES, HERE / job.script], set()
     while todo:
         f = todo.pop()
         if f not in seen:

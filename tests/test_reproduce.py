@@ -242,11 +242,12 @@ def test_the_sources_of_a_result_hold_the_engine_and_what_its_script_imports() -
     bench = set(reproduce.sources(reproduce.job_named("bench_io")))
     assert {"sglang_tierstore/store.py", "sglang_tierstore/adapter.py", "sglang_tierstore/index/__init__.py",
             "sglang_tierstore/space/lua/writes.lua", "scripts/bench_io.py", "scripts/compare.py", "tests/pools.py"} <= bench
-    assert not {"sglang_tierstore/plan.py", "sglang_tierstore/predict.py", "sglang_tierstore/cli.py"} & bench
+    assert not {"sglang_tierstore/tools/plan.py", "sglang_tierstore/tools/predict.py", "sglang_tierstore/tools/cli.py"} & bench
+    assert {str(p.relative_to(reproduce.ROOT)) for p in reproduce.ENGINE_ENTRIES} <= bench
     load = set(reproduce.sources(reproduce.job_named("loadtest")))
-    assert {"sglang_tierstore/plan.py", "scripts/multiturn_loadtest.py", "tests/cpu_harness/server.py",
+    assert {"sglang_tierstore/tools/plan.py", "scripts/multiturn_loadtest.py", "tests/cpu_harness/server.py",
             "tests/cpu_harness/shim/sitecustomize.py"} <= load
-    assert {"sglang_tierstore/predict.py", "scripts/loadtest_tiers.py"} <= set(reproduce.sources(reproduce.job_named("planner")))
+    assert {"sglang_tierstore/tools/predict.py", "scripts/loadtest_tiers.py"} <= set(reproduce.sources(reproduce.job_named("planner")))
 
 
 def test_equivalent_versions_give_the_same_outputs(tmp_path: Path) -> None:
