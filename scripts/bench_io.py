@@ -908,7 +908,8 @@ def size_ratios(row: dict[str, Any]) -> dict[str, Interval]:
 
 
 def print_row(spec: str, row: dict[str, Any]) -> None:
-    print(f"\n{spec} pages ({row['page_bytes']} B; MLA {row['ts_mla']['page_bytes']} B), batch {BATCH}: GB/s median [p90 p99]")
+    mla = f"; MLA {row['ts_mla']['page_bytes']} B" if "ts_mla" in row else ""
+    print(f"\n{spec} pages ({row['page_bytes']} B{mla}), batch {BATCH}: GB/s median [p90 p99]")
     for name in SYSTEMS:
         if name not in row:
             continue
