@@ -916,21 +916,24 @@ def print_row(spec: str, row: dict[str, Any]) -> None:
         r = row[name]
         line = "  ".join(f"{k[:-5]:>10} {med(r, k):6.2f} [{r[k]['p90']:.2f} {r[k]['p99']:.2f}]" for k in ("write_gbps", "read_cold_gbps", "read_warm_gbps"))
         print(f"  {name:<12} {line}")
-    print(f"  paired per round ({row['disk']['write_gbps']['n']} rounds), median ratio and 95% interval:")
+    rounds = next(row[name]["write_gbps"]["n"] for name in SYSTEMS if name in row)
+    print(f"  paired per round ({rounds} rounds), median ratio and 95% interval:")
     for fig, iv in row["ratios"].items():
         print(f"    {fig:<62} {say(iv)}")
-    if "ts_v1_nocoal" not in row:
+    if "ts_v1_nocoal" not in row and row["page_bytes"] >= ts_store.MAX_RUN_BYTES:
         print(f"    coalescing on / off: not run (pages of {row['page_bytes']} B are as large as a coalesced run: the same code)")
-    v1, gb = row["ts_v1"], row["page_bytes"] * BATCH / 1e9
-    disk_r, disk_w = med(row["disk"], "read_cold_gbps"), med(row["disk"], "write_gbps")
-    for op, calls, rate, limit in (("write", "commit", "write_gbps", disk_w), ("cold read", "HMGET", "read_cold_gbps", disk_r)):
-        rms, secs = v1[op.split()[-1] + "_redis_ms"]["median"], gb / med(v1, rate)
-        print(f"  ts_v1 {op} batch: {1e3 * secs:.1f} ms, of which {rms:.1f} ms in Redis ({calls});"
-              f" without it / disk: {gb / (secs - rms / 1e3) / limit:.2f}")
-    st = row["ts_steady"]
-    ev = st["regions_evicted_per_round"]["median"] if st.get("regions_evicted_per_round") else 0
-    print(f"  steady state: store full, {ev:.0f} regions of {st['region_bytes'] >> 20} MiB evicted per round, second page size"
-          f" {st['other_page_bytes']} B")
+    if "ts_v1" in row and "disk" in row:
+        v1, gb = row["ts_v1"], row["page_bytes"] * BATCH / 1e9
+        disk_r, disk_w = med(row["disk"], "read_cold_gbps"), med(row["disk"], "write_gbps")
+        for op, calls, rate, limit in (("write", "commit", "write_gbps", disk_w), ("cold read", "HMGET", "read_cold_gbps", disk_r)):
+            rms, secs = v1[op.split()[-1] + "_redis_ms"]["median"], gb / med(v1, rate)
+            print(f"  ts_v1 {op} batch: {1e3 * secs:.1f} ms, of which {rms:.1f} ms in Redis ({calls});"
+                  f" without it / disk: {gb / (secs - rms / 1e3) / limit:.2f}")
+    if "ts_steady" in row:
+        st = row["ts_steady"]
+        ev = st["regions_evicted_per_round"]["median"] if st.get("regions_evicted_per_round") else 0
+        print(f"  steady state: store full, {ev:.0f} regions of {st['region_bytes'] >> 20} MiB evicted per round, second page"
+              f" size {st['other_page_bytes']} B")
 
 
 def probe_ratios(p: dict[str, Any]) -> dict[str, Interval]:
