@@ -158,8 +158,11 @@ def report(*outs: str) -> None:
           f"{'new/old':>8} {'95% interval':>13} {'old spread':>10}")
     for fig, per_size, fn in FIGURES:
         for size in sizes if per_size else [""]:
-            old = [fn(r, size) for r in runs["old"]]
-            new = [fn(r, size) for r in runs["new"]]
+            try:
+                old = [fn(r, size) for r in runs["old"]]
+                new = [fn(r, size) for r in runs["new"]]
+            except KeyError:  # a system the runs left out (bench_io --systems): not a row
+                continue
             mo, mn = statistics.median(old), statistics.median(new)
             spread = max(old) / min(old) if min(old) > 0 else float("nan")
             iv = unpaired_ratio(new, old)
