@@ -152,7 +152,8 @@ class TierStore:
         """``observe``: an operator's tool, joining the store as it is and writing nothing
         on disk; else a serving process (see :class:`Space`). A serving process comes up
         whatever the index or the disk does (full, down, no store yet): it answers misses
-        until it can attach, and tries again by itself.
+        until it can attach, and its housekeeping thread tries again (without that thread,
+        each call makes one try that waits for no lock).
         ``metrics``: the caller's (labelled by rank), else the store's own.
         ``page_files``: the class that moves bytes (tests inject one that fails or waits).
         Housekeeping runs once :meth:`start_housekeeping` is called; until then, passes
