@@ -25,10 +25,11 @@ pip_install() { "$PY" -m pip install -q --disable-pip-version-check "$@" 2>&1 \
 
 # What the packages were last installed from, by this script into this Python: a second run
 # with the same inputs, and the editable install already this checkout's, only builds the C
-# helper here (pip takes seconds to find it has nothing to do).
+# helper here (pip takes seconds to find it has nothing to do). Asked from / : from here, Python would
+# find this checkout itself on its path whatever is installed.
 key=$(cat pyproject.toml scripts/requirements-sglang.txt "$0" | sha256sum | cut -c1-16)
 marker=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/.sglang-tierstore-setup-$key
-here=$("$PY" -c "import importlib.util as u; s = u.find_spec('sglang_tierstore'); print(s.origin if s else '')" 2>/dev/null || true)
+here=$(cd / && "$PY" -c "import importlib.util as u; s = u.find_spec('sglang_tierstore'); print(s.origin if s else '')" 2>/dev/null || true)
 if [ -f "$marker" ] && [ "$here" = "$PWD/sglang_tierstore/__init__.py" ]; then
   "$PY" -c "from setuptools import setup; setup()" build_ext --inplace -q 2>&1 | grep -v -e "^running" -e "^copying" || true
 else
