@@ -34,8 +34,7 @@ import sys
 import tempfile
 from typing import Any, Callable
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compare import unpaired_ratio  # noqa: E402
+from tierstore_kit.stats import med as median_of, unpaired_ratio
 
 HANG = 'mock.patch.object(ts_store, "MAX_RUN_BYTES", 0)'
 UNHUNG = 'mock.patch.object(ts_store, "MAX_RUN_BYTES", min(ts_store.MAX_RUN_BYTES, be._pool("kv").ns.page_bytes))'
@@ -44,7 +43,8 @@ Figure = Callable[[dict[str, Any], str], float]
 
 
 def med(run: dict[str, Any], size: str, system: str, metric: str) -> float:
-    return float(run["sizes"][size][system][metric]["median"])
+    """The median of ``metric`` in one bench_io run (its JSON), for one page size and system."""
+    return median_of(run["sizes"][size][system], metric)
 
 
 FIGURES: list[tuple[str, bool, Figure]] = [  # (name, per page size, value)

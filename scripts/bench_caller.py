@@ -152,12 +152,11 @@ def gil_phase(probe_calls: Callable[[str, int], Callable[[], list[bool]]], sizes
 
 def worker(sizes: list[int], reps: int, warmup: int, seed: int, gil_reps: int, idle_s: float = IDLE_S) -> dict[str, Any]:
     """One run in this process, on the engine ``PYTHONPATH`` names."""
-    sys.path[:0] = [os.path.join(ROOT, "tests")]
     import hashlib
     import random
 
     import torch
-    from pools import fill, mha_pool, page_indices, storage_config
+    from tierstore_kit.pools import fill, mha_pool, page_indices, storage_config
 
     import sglang_tierstore
     from sglang_tierstore import TierStoreBackend
@@ -246,8 +245,7 @@ def run_worker(tree: str, args: argparse.Namespace, seed: int) -> dict[str, Any]
 
 
 def summarize(runs: dict[str, list[dict[str, Any]]], sizes: list[int]) -> dict[str, Any]:
-    sys.path.insert(0, HERE)
-    from compare import median_interval, paired_ratio
+    from tierstore_kit.stats import median_interval, paired_ratio
 
     out: dict[str, Any] = {}
     for name, rs in runs.items():
@@ -278,9 +276,8 @@ def summarize(runs: dict[str, list[dict[str, Any]]], sizes: list[int]) -> dict[s
 
 
 def report(doc: dict[str, Any], sizes: list[int]) -> None:
-    sys.path.insert(0, HERE)
-    from compare import say
-    from provenance import header
+    from tierstore_kit.stats import say
+    from tierstore_kit.provenance import header
 
     s = doc["summary"]
     print(f"# caller CPU of tierstore's calls: {doc['page_bytes'] // 1024} KiB pages (real SGLang MHA host pool, "
@@ -365,8 +362,7 @@ def main() -> int:
         if base_dir:
             subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", base_dir], check=False, capture_output=True)
             shutil.rmtree(base_dir, ignore_errors=True)
-    sys.path.insert(0, HERE)
-    from provenance import stamp
+    from tierstore_kit.provenance import stamp
 
     doc = {"stamp": stamp(directory="/var/tmp", server_flags=["redis-server", *REDIS_FLAGS, "--unixsocket", "<run dir>"]),
            "commits": commits, "sizes": sizes, "fit_sizes": runs["new"][0]["fit_sizes"], "runs": a.runs, "reps": a.reps, "gil_reps": a.gil_reps,

@@ -45,20 +45,20 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+
+import redis
+from redis.crc import key_slot
+from tierstore_kit.clusters import ClusterProc
+from tierstore_kit.servers import RedisProc
+from tierstore_kit.engine import engine, housekeep
+
+from tierstore_kit.provenance import header, stamp
+from tierstore_kit.stats import percentile
+
+from sglang_tierstore.errors import StoreUnavailable
+from sglang_tierstore.schema import entry_field, shard_of
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))
-
-import redis  # noqa: E402
-from redis.crc import key_slot  # noqa: E402
-from clusters import ClusterProc  # noqa: E402
-from conftest import RedisProc  # noqa: E402
-from engine_kit import engine, housekeep  # noqa: E402
-
-sys.path.insert(0, str(HERE))
-from provenance import header, stamp  # noqa: E402
-
-from sglang_tierstore.errors import StoreUnavailable  # noqa: E402
-from sglang_tierstore.schema import entry_field, shard_of  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 PAGES = (4 * KiB, 256 * KiB, 2 * MiB)
@@ -105,9 +105,6 @@ class Masters:
         return sum(int(c.info("persistence")["aof_current_size"]) for c in self.clients)
 
 
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
 def one_config(cfg: dict[str, Any], masters: Masters, page: int, n: int, rounds: int) -> dict[str, Any]:
@@ -155,10 +152,10 @@ def one_config(cfg: dict[str, Any], masters: Masters, page: int, n: int, rounds:
         aof = masters.aof_bytes() - aof0
         server = masters.slowlog()
         return {"page_bytes": page, "batch": n, "rounds": rounds, "stored": stored, "shards": st.space.attached().geometry.shards,
-                "server_us": {f: {"calls": len(v), "p50": statistics.median(v), "p99": pct(v, 0.99)} for f, v in server.items()},
+                "server_us": {f: {"calls": len(v), "p50": statistics.median(v), "p99": percentile(v, 0.99)} for f, v in server.items()},
                 "aof_bytes_per_write_batch": aof / rounds,
-                "probe_ms": {"p50": statistics.median(probe_ms), "p99": pct(probe_ms, 0.99)},
-                "commit_ms": {"p50": statistics.median(commit_ms), "p99": pct(commit_ms, 0.99)}}
+                "probe_ms": {"p50": statistics.median(probe_ms), "p99": percentile(probe_ms, 0.99)},
+                "commit_ms": {"p50": statistics.median(commit_ms), "p99": percentile(commit_ms, 0.99)}}
     finally:
         st.close()
         shutil.rmtree(path, ignore_errors=True)

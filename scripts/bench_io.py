@@ -80,14 +80,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import os
 import random
 import shutil
-import socket
-import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -98,92 +94,25 @@ from unittest import mock
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Generator, Optional, Protocol, TypeVar
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+import torch
+from tierstore_kit.iobench import BATCH, GEOMETRY, REDIS_FLAGS, backend, drop_cache, page_nbytes, sgl_key, start_redis
+from tierstore_kit.pools import fill, mha_pool, mla_pool, page_indices, storage_config
+from tierstore_kit.provenance import header, stamp
+from tierstore_kit.stats import Interval, med, paired_ratio, say, spread, timed, unpaired_ratio
+from sglang.srt.mem_cache.hicache_storage import HiCacheFile, PoolName, PoolTransfer
 
-import torch  # noqa: E402
-from pools import fill, mha_pool, mla_pool, page_indices, storage_config  # noqa: E402
-
-sys.path.insert(0, HERE)
-from compare import Interval, paired_ratio, say, unpaired_ratio  # noqa: E402
-from provenance import header, stamp  # noqa: E402
-from sglang.srt.mem_cache.hicache_storage import HiCacheFile, PoolName, PoolTransfer  # noqa: E402
-
-from sglang_tierstore import TierStoreBackend  # noqa: E402
-from sglang_tierstore.tools import inspect  # noqa: E402
-from sglang_tierstore import _native  # noqa: E402
-from sglang_tierstore import store as ts_store  # noqa: E402
-from sglang_tierstore.hostmem import ALIGN  # noqa: E402
-from sglang_tierstore.schema import entry_field  # noqa: E402
+from sglang_tierstore import TierStoreBackend
+from sglang_tierstore.tools import inspect
+from sglang_tierstore import _native
+from sglang_tierstore import store as ts_store
+from sglang_tierstore.hostmem import ALIGN
+from sglang_tierstore.schema import entry_field
 
 REAL_PAGEIO = _native.pageio
 if REAL_PAGEIO is None:
     raise SystemExit("bench_io: tierstore's C helper is not built (pip install -e .; it needs a C compiler)")
 
-BATCH = 128
-REDIS_FLAGS = ["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-# page bytes -> MHA geometry (tokens per page, layers, KV heads, head dim), bf16, K and V
-GEOMETRY = {
-    64 << 10: (4, 8, 8, 64),  # the smoke runs' size: the same code, a quarter of the bytes
-    256 << 10: (16, 8, 8, 64),
-    1 << 20: (64, 8, 8, 64),
-    2 << 20: (64, 16, 8, 64),
-    8 << 20: (64, 32, 8, 128),  # 64 tokens of Llama-3-8B
-}
 MLA_LAYERS = {64 << 10: 1, 256 << 10: 4, 1 << 20: 14, 2 << 20: 28, 8 << 20: 112}  # 64 tokens x 1152 B per layer
-
-
-def sgl_key() -> str:
-    """A page key as SGLang makes them: 64 hex digits of a SHA-256 chain."""
-    return hashlib.sha256(uuid.uuid4().bytes).hexdigest()
-
-
-def stats(samples: list[float]) -> dict[str, Any]:
-    """Median, p90, p99 and the samples themselves in round order (what the paired
-    comparisons pair on)."""
-    s = sorted(samples)
-    pick = lambda q: s[min(len(s) - 1, int(q * len(s)))]  # noqa: E731
-    return {"median": statistics.median(s), "p90": pick(0.9), "p99": pick(0.99), "n": len(s), "samples": list(samples)}
-
-
-def timed(fn: Callable[[], Any]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def drop_cache(root: str, only: str = "") -> None:
-    """fdatasync, then POSIX_FADV_DONTNEED, on every file under root (or just ``only``):
-    the writes are on the disk, not in a cache (the guest's or, through the flush, the
-    VM host's), before reads are timed. Needs no privileges."""
-    for d, _, names in os.walk(root):
-        for n in names:
-            if only and os.path.join(d, n) != only:
-                continue
-            try:
-                fd = os.open(os.path.join(d, n), os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.fdatasync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
-def start_redis(workdir: str) -> tuple[subprocess.Popen[bytes], str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(["redis-server", "--port", str(port), *REDIS_FLAGS, "--dir", workdir],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(200):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
-            break
-        except OSError:
-            time.sleep(0.05)
-    return proc, f"redis://127.0.0.1:{port}/0"
 
 
 # -- the systems compared: each yields (write, cold read, warm read) seconds per round --------
@@ -263,12 +192,6 @@ def hicache_rounds(path: str, pool: Any) -> Generator[Round, None, None]:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def backend(path: str, redis_url: str, threads: int, mla: bool = False, model: str = "bench", **extra: Any) -> TierStoreBackend:
-    cfg = {"redis_url": redis_url, "redis_prefix": "bench-" + uuid.uuid4().hex[:8], "path": path,
-           "capacity_gb": 64, "io_threads": threads, "interface_v1": 1, **extra}
-    return TierStoreBackend(storage_config(cfg, mla=mla, model=model), {})
-
-
 def unhashed(calls: list[tuple[Any, ...]], stop: Any) -> list[tuple[int, int, tuple[int, ...]]]:
     """The C helper's transfer with no span hashed: every checksum 0."""
     done = REAL_PAGEIO.transfer([(*c[:4], (), *c[5:]) for c in calls], stop)
@@ -283,7 +206,7 @@ def tierstore_rounds(path: str, redis_url: str, pool: Any, threads: int, v2: boo
     d = os.path.join(path, "tierstore-" + uuid.uuid4().hex[:6])
     ps = pool.page_size
     src, dst = page_indices(range(BATCH), ps), page_indices(range(BATCH, 2 * BATCH), ps)
-    be = backend(d, redis_url, threads, mla=mla, capacity_gb=4 * BATCH * page_bytes(pool) / (1 << 30))
+    be = backend(d, redis_url, threads, mla=mla, capacity_gb=4 * BATCH * page_nbytes(pool) / (1 << 30))
     be.register_mem_pool_host(pool)
     be.register_mem_host_pool_v2(pool, PoolName.KV)
     in_use(be)
@@ -323,8 +246,8 @@ def tierstore_rounds(path: str, redis_url: str, pool: Any, threads: int, v2: boo
             yield w, cold, warm
             be.store.clear([be.namespace()])  # frees their regions: the next round reuses them, as a full store reuses evicted ones
     finally:
-        info["write_redis_ms"] = stats(write_redis_ms) if write_redis_ms else None
-        info["read_redis_ms"] = stats(read_redis_ms) if read_redis_ms else None
+        info["write_redis_ms"] = spread(write_redis_ms) if write_redis_ms else None
+        info["read_redis_ms"] = spread(read_redis_ms) if read_redis_ms else None
         be.clear()
         be.close()
         shutil.rmtree(d, ignore_errors=True)
@@ -345,7 +268,7 @@ def steady_rounds(path: str, redis_url: str, pool: Any, other: Any, threads: int
     share a store that holds 4 batches of each; every round writes a new batch of the
     other size (untimed), then the timed batch, so each round evicts both sizes' regions."""
     d = os.path.join(path, "steady-" + uuid.uuid4().hex[:6])
-    p_bytes, o_bytes = page_bytes(pool), page_bytes(other)
+    p_bytes, o_bytes = page_nbytes(pool), page_nbytes(other)
     prefix = "bench-" + uuid.uuid4().hex[:8]
     cap = 4 * BATCH * (p_bytes + o_bytes) / (1 << 30)
     main = backend(d, redis_url, threads, model="p", redis_prefix=prefix, capacity_gb=cap)
@@ -376,8 +299,8 @@ def steady_rounds(path: str, redis_url: str, pool: Any, other: Any, threads: int
             evicted.append(main.store.stats().get("evicted", 0) + side.store.stats().get("evicted", 0) - before)
             yield w, cold, warm
     finally:
-        info["write_redis_ms"] = stats(write_redis_ms) if write_redis_ms else None
-        info["regions_evicted_per_round"] = stats([float(e) for e in evicted]) if evicted else None
+        info["write_redis_ms"] = spread(write_redis_ms) if write_redis_ms else None
+        info["regions_evicted_per_round"] = spread([float(e) for e in evicted]) if evicted else None
         info["region_bytes"] = inspect.usage(main.store)["region_bytes"]
         info["other_page_bytes"] = o_bytes
         assert inspect.check(main.store, verify_pages=False) == []
@@ -390,7 +313,7 @@ def cycle_rounds(path: str, redis_url: str, pool: Any, other: Any, threads: int)
     """ts_steady's footprint without eviction: the steady store's capacity (4 batches of
     both page sizes), this page size only, and the batch written 5 rounds ago dropped."""
     d = os.path.join(path, "cycle-" + uuid.uuid4().hex[:6])
-    cap = 4 * BATCH * (page_bytes(pool) + page_bytes(other)) / (1 << 30)
+    cap = 4 * BATCH * (page_nbytes(pool) + page_nbytes(other)) / (1 << 30)
     be = backend(d, redis_url, threads, capacity_gb=cap)
     be.register_mem_pool_host(pool)
     ns = be.namespace()
@@ -428,7 +351,7 @@ def rates(nbytes: int, rounds: list[Round]) -> dict[str, Any]:
     gb = nbytes * BATCH / 1e9
     out = {}
     for i, name in enumerate(("write_gbps", "read_cold_gbps", "read_warm_gbps")):
-        out[name] = stats([gb / r[i] for r in rounds])
+        out[name] = spread([gb / r[i] for r in rounds])
     return out
 
 
@@ -448,10 +371,6 @@ def interleave(systems: dict[str, Generator[T, None, None]], repeat: int, rng: r
         for g in systems.values():
             g.close()
     return samples
-
-
-def page_bytes(pool: Any) -> int:
-    return int(pool.get_dummy_flat_data_page().numel() * pool.dtype.itemsize)
 
 
 def bench_probe(path: str, redis_url: str, repeat: int) -> dict[str, Any]:
@@ -489,7 +408,7 @@ def bench_probe(path: str, redis_url: str, repeat: int) -> dict[str, Any]:
         for i in range(repeat):  # interleaved, rotating order
             for name in order[i % len(order):] + order[: i % len(order)]:
                 ms[name].append(1e3 * timed(cases[name]))
-        out: dict[str, Any] = {n: stats(v) for n, v in ms.items()}
+        out: dict[str, Any] = {n: spread(v) for n, v in ms.items()}
         r.delete(*names)
         # per-page cost with 4 KiB pages through the page cache: I/O is negligible
         src, dst = page_indices(range(BATCH), ps), page_indices(range(BATCH, 2 * BATCH), ps)
@@ -505,10 +424,10 @@ def bench_probe(path: str, redis_url: str, repeat: int) -> dict[str, Any]:
                 total.append(1e6 * t / BATCH)
                 py.append(1e6 * (t - redis_s.s) / BATCH - SYSCALL_US["set" if total is sets else "get"])
             be.clear()  # next round rewrites these slots, as SYSCALL_US was measured (no new page-cache pages)
-        out["us_per_page_set_4k"] = stats(sets)
-        out["us_per_page_get_4k"] = stats(gets)
-        out["python_us_per_page_set_4k"] = stats(set_py)
-        out["python_us_per_page_get_4k"] = stats(get_py)
+        out["us_per_page_set_4k"] = spread(sets)
+        out["us_per_page_get_4k"] = spread(gets)
+        out["python_us_per_page_set_4k"] = spread(set_py)
+        out["python_us_per_page_get_4k"] = spread(get_py)
         out["syscall_us_per_page_4k"] = dict(SYSCALL_US)
         be.clear()
     return out
@@ -725,7 +644,7 @@ def bench_mixed(work: str, url: str, size: int, threads: int, repeat: int, reads
     read_pages = READ_BYTES // size
     pool = mha_pool("page_first_direct", page_size=p, layers=layers, heads=heads, head_dim=dim,
                     tokens=-(-(BATCH + read_pages) // 2) * p)  # host pool: twice that, the write and read pages
-    assert page_bytes(pool) == size
+    assert page_nbytes(pool) == size
     fill(pool, 0)
     writes = max(2, write_bytes // (size * BATCH))  # at least write_bytes per round (1 GiB: the write limit)
     mixes: dict[str, Mix] = {}
@@ -744,10 +663,10 @@ def bench_mixed(work: str, url: str, size: int, threads: int, repeat: int, reads
     for name in mixes:
         got = {ph: {m: [x for r in samples[f"{name}:{ph}"] for x in r[m]] for m in samples[f"{name}:{ph}"][0]}
                for ph in ("read", "write", "mixed")}
-        row[name] = {"read_idle_ms": stats(got["read"]["read_ms"]), "read_mixed_ms": stats(got["mixed"]["read_ms"]),
-                     "write_alone_gbps": stats(got["write"]["write_gbps"]), "write_mixed_gbps": stats(got["mixed"]["write_gbps"])}
+        row[name] = {"read_idle_ms": spread(got["read"]["read_ms"]), "read_mixed_ms": spread(got["mixed"]["read_ms"]),
+                     "write_alone_gbps": spread(got["write"]["write_gbps"]), "write_mixed_gbps": spread(got["mixed"]["write_gbps"])}
     ts, disk = row["ts"], row["disk"]
-    ts["write_redis_ms"] = stats(redis_ms)
+    ts["write_redis_ms"] = spread(redis_ms)
     # write alone with the time each batch waits on Redis taken out: what tierstore's own I/O reaches
     batch_s = size * BATCH / 1e9 / ts["write_alone_gbps"]["median"]
     ts["write_alone_without_redis_gbps"] = size * BATCH / 1e9 / (batch_s - ts["write_redis_ms"]["median"] / 1e3)
@@ -813,12 +732,12 @@ def bench_size(work: str, url: str, size: int, threads: int, repeat: int, rng: r
         "ts_steady": steady_rounds(work, url, mha, half, threads, info["ts_steady"]),
         "ts_cycle": cycle_rounds(work, url, mha, half, threads),
     }, repeat, rng, systems)
-    row: dict[str, Any] = {"page_bytes": page_bytes(mha)}
+    row: dict[str, Any] = {"page_bytes": page_nbytes(mha)}
     for name, rounds in samples.items():
-        nbytes = page_bytes(mla) if name == "ts_mla" else size
+        nbytes = page_nbytes(mla) if name == "ts_mla" else size
         row[name] = {**rates(nbytes, rounds), **info.get(name, {})}
     if "ts_mla" in row:
-        row["ts_mla"]["page_bytes"] = page_bytes(mla)
+        row["ts_mla"]["page_bytes"] = page_nbytes(mla)
     return row
 
 
@@ -877,10 +796,6 @@ def main() -> int:
         with open(a.out, "w") as f:
             json.dump(report, f, indent=1)
     return 0
-
-
-def med(d: dict[str, Any], key: str) -> float:
-    return float(d[key]["median"])
 
 
 # (figure, system over system, metric): the paired comparisons each page size reports

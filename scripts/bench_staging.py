@@ -37,17 +37,15 @@ import tempfile
 import uuid
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+import torch
+from tierstore_kit.iobench import BATCH, GEOMETRY, REDIS_FLAGS, backend, drop_cache, page_nbytes, sgl_key, start_redis
+from tierstore_kit.pools import mha_pool, page_indices
+from tierstore_kit.provenance import header, stamp
+from tierstore_kit.stats import med, spread, timed
 
-import torch  # noqa: E402
-from bench_io import BATCH, GEOMETRY, REDIS_FLAGS, backend, drop_cache, med, page_bytes, sgl_key, start_redis, stats, timed  # noqa: E402
-from pools import mha_pool, page_indices  # noqa: E402
-from provenance import header, stamp  # noqa: E402
-
-from sglang_tierstore import TierStoreBackend  # noqa: E402
-from sglang_tierstore.hostmem import PagePlan  # noqa: E402
-from sglang_tierstore.store import _scatter  # noqa: E402
+from sglang_tierstore import TierStoreBackend
+from sglang_tierstore.hostmem import PagePlan
+from sglang_tierstore.store import _scatter
 
 MODES = {"direct": 0.0, "staged": 30.0}  # read path -> read_timeout_s
 STORES = {"O_DIRECT": True, "buffered": False}  # -> o_direct
@@ -66,7 +64,7 @@ def copy_us_per_page(pool: Any, repeat: int) -> tuple[dict[str, float], int]:
             _scatter(staging, p)
 
     us = [1e6 * timed(copy_batch) / BATCH for _ in range(max(5, repeat))]
-    return stats(us), len(pages[0][0])
+    return spread(us), len(pages[0][0])
 
 
 def rounds(be: TierStoreBackend, d: str, pool: Any, repeat: int, rng: random.Random) -> dict[str, dict[str, Any]]:
@@ -77,7 +75,7 @@ def rounds(be: TierStoreBackend, d: str, pool: Any, repeat: int, rng: random.Ran
     for _ in range(4):  # every region written once: rounds overwrite, as a store in use does
         assert all(be.batch_set_v1([sgl_key() for _ in range(BATCH)], src))
         be.store.clear([ns])
-    gb = page_bytes(pool) * BATCH / 1e9
+    gb = page_nbytes(pool) * BATCH / 1e9
     cfg = be.store.cfg
     out: dict[str, dict[str, list[float]]] = {m: {"read_cold_gbps": [], "read_warm_gbps": []} for m in MODES}
     for _ in range(repeat):
@@ -93,7 +91,7 @@ def rounds(be: TierStoreBackend, d: str, pool: Any, repeat: int, rng: random.Ran
         be.store.cfg = cfg
         be.store.clear([ns])
     assert "error_io_read_timeout" not in be.store.stats()
-    return {m: {k: stats(v) for k, v in r.items()} for m, r in out.items()}
+    return {m: {k: spread(v) for k, v in r.items()} for m, r in out.items()}
 
 
 def main() -> int:
@@ -122,7 +120,7 @@ def main() -> int:
             pool = mha_pool("page_first_direct", page_size=p, layers=layers, heads=heads, head_dim=dim, tokens=BATCH * p)
             raw = pool.kv_buffer.view(-1).view(torch.uint8)
             raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(0)))
-            row: dict[str, Any] = {"page_bytes": page_bytes(pool)}
+            row: dict[str, Any] = {"page_bytes": page_nbytes(pool)}
             for store, o_direct in STORES.items():
                 d = os.path.join(work, uuid.uuid4().hex[:8])
                 with backend(d, url, a.threads, capacity_gb=4 * BATCH * size / (1 << 30), o_direct=o_direct) as be:

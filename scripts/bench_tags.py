@@ -27,17 +27,14 @@ import tempfile
 import time
 from typing import Callable
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-sys.path.insert(0, HERE)
 
-from engine_kit import engine, pages, views  # noqa: E402
-from provenance import header, stamp  # noqa: E402
+from tierstore_kit.engine import engine, pages, views
+from tierstore_kit.provenance import header, stamp
 
-from sglang_tierstore.embedded import ensure_embedded_redis, stop_embedded_redis  # noqa: E402
-from sglang_tierstore.perms import PRIVATE  # noqa: E402
-from sglang_tierstore.schema import ENTRY_HEAD, entry_fields  # noqa: E402
-from sglang_tierstore.store import TierStore  # noqa: E402
+from sglang_tierstore.embedded import ensure_embedded_redis, stop_embedded_redis
+from sglang_tierstore.perms import PRIVATE
+from sglang_tierstore.schema import ENTRY_HEAD, entry_fields
+from sglang_tierstore.store import TierStore
 
 
 def median_s(fn: Callable[[], object], reps: int) -> float:

@@ -32,10 +32,8 @@ REDIS_FLAGS = ["--port", "0", "--save", "", "--appendonly", "no"]
 
 
 def worker(pages: int, redis_server: str) -> dict[str, object]:
-    tree = os.environ.get("PYTHONPATH", os.path.join(HERE, ".."))
-    sys.path.insert(0, os.path.join(tree, "tests"))
     import redis
-    from engine_kit import engine
+    from tierstore_kit.engine import engine
 
     from sglang_tierstore.tools import inspect
 
@@ -102,8 +100,7 @@ def main() -> int:
             print(f"run {i + 1} {name}: {runs[name][-1]}", file=sys.stderr)
     commits = {name: subprocess.run(["git", "-C", d, "rev-parse", "--short", "HEAD"], capture_output=True,
                                     text=True).stdout.strip() for name, d in trees.items()}
-    sys.path.insert(0, HERE)
-    from provenance import header, stamp
+    from tierstore_kit.provenance import header, stamp
 
     doc = {"stamp": stamp(directory="/var/tmp", server_flags=[a.redis_server, *REDIS_FLAGS, "--unixsocket", "<run dir>"]),
            "commits": commits, "pages": a.pages, "runs": runs,

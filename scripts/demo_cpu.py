@@ -18,23 +18,17 @@ import argparse
 import os
 import shutil
 import signal
-import socket
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
-from cpu_harness import tiny_model  # noqa: E402
-from cpu_harness.server import Server, conversation, cpu_args, tierstore_config  # noqa: E402
+from tierstore_kit.cpu_harness import tiny_model
+from tierstore_kit.cpu_harness.server import Server, conversation, cpu_args, tierstore_config
+from tierstore_kit.servers import free_port
 
-from sglang_tierstore.embedded import pid_file  # noqa: E402
+from sglang_tierstore.embedded import pid_file
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_turns(server: Server, prompts: list[str], label: str) -> list[str]:

@@ -22,19 +22,17 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import sys
 import time
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
-from cpu_harness import tiny_model  # noqa: E402
-from cpu_harness.server import Server, cpu_args, storage_args, tierstore_config  # noqa: E402
+from tierstore_kit.cpu_harness import tiny_model
+from tierstore_kit.cpu_harness.server import Server, cpu_args, storage_args, tierstore_config
+from tierstore_kit.servers import free_port
 
-from sglang_tierstore.embedded import pid_file  # noqa: E402
+from sglang_tierstore.embedded import pid_file
 
 GPU_FLAGS = [
     "--page-size", "64", "--mem-fraction-static", "0.5", "--enable-cache-report", "--disable-cuda-graph",
@@ -43,10 +41,6 @@ GPU_FLAGS = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def server_args(cpu: bool, storage: dict[str, Any] | None, context: int) -> list[str]:

@@ -23,7 +23,7 @@ from functools import cache, wraps
 from pathlib import Path
 from typing import Any, TypeVar
 
-import reproduce
+from tierstore_kit import jobs
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -162,7 +162,7 @@ def mixed_table() -> str:
 def staging_table() -> str:
     """Staged over direct read throughput per page size and store, paired per round (the
     same batch read both ways in turn), with the copy alone."""
-    from compare import paired_ratio, say
+    from tierstore_kit.stats import paired_ratio, say
 
     rows = ["| page size | copy alone, us per page | store | staged / direct, cold | staged / direct, warm |",
             "|---|---|---|---|---|"]
@@ -295,8 +295,8 @@ def loadtest_rounds() -> range:
 def loadtest_pooled(config: str) -> dict[str, Any]:
     """One configuration's returning turns, every round's requests pooled: TTFT quantiles
     and the token-weighted share of the resent prefix each tier served, as the load test
-    summarizes a run (``multiturn_loadtest.summarize``)."""
-    from multiturn_loadtest import summarize
+    summarizes a run (``tierstore_kit.multiturn.summarize``)."""
+    from tierstore_kit.multiturn import summarize
 
     rows = [json.loads(ln) for k in loadtest_rounds()
             for ln in result(f"loadtest/{config}@r{k}.jsonl").read_text().splitlines() if ln.strip()]
@@ -513,7 +513,7 @@ def suite_table() -> str:
 
 def pair(job: str, key: str) -> Callable[[], str]:
     """A paired comparison of the interleaved load-test rounds (``rounds.json``), as the docs may say it."""
-    from compare import say
+    from tierstore_kit.stats import say
     return lambda: say(load(f"{job}/rounds.json")["pairs"][key])
 
 
@@ -571,7 +571,7 @@ def caller_sizes(key: str) -> Callable[[], str]:
 def caller_table() -> str:
     """performance.md's table of bench_caller: CPU per call and per page, on SGLang's thread and in
     the whole process, baseline and this engine, and the ratio at the batch sizes."""
-    from compare import say
+    from tierstore_kit.stats import say
 
     d = load("bench_caller/bench_caller.json")
     s, base, new = d["summary"], d["commits"]["base"], d["commits"]["new"]
@@ -606,7 +606,7 @@ def caller_busy_table() -> str:
     """performance.md's table of each call's wall time beside bench_caller's spinning thread
     (what a thread waiting for the call waits), at the smallest and largest batch, baseline
     and this engine, and the ratio paired run by run."""
-    from compare import say
+    from tierstore_kit.stats import say
 
     d = load("bench_caller/bench_caller.json")
     s, base, new = d["summary"], d["commits"]["base"], d["commits"]["new"]
@@ -623,7 +623,7 @@ def caller_busy_table() -> str:
 def caller_ratio(op: str, clock: str, pages: int) -> Callable[[], str]:
     """bench_caller: this engine's ``clock`` of ``op`` on ``pages`` pages over the baseline's, paired run by run."""
     def figure() -> str:
-        from compare import say
+        from tierstore_kit.stats import say
 
         return str(say(load("bench_caller/bench_caller.json")["summary"]["new/base"][op][clock][f"{pages}_pages"]))
     return figure
@@ -664,7 +664,7 @@ def interference_targets() -> str:
     return "; ".join(parts)
 
 
-def jobs_of(page: Path) -> list[reproduce.Job]:
+def jobs_of(page: Path) -> list[jobs.Job]:
     """The jobs whose results the figures marked on ``page`` are computed from."""
     read: set[str] = set()
     for m in MARK.finditer(page.read_text()):
@@ -672,12 +672,12 @@ def jobs_of(page: Path) -> list[reproduce.Job]:
             _read.clear()
             compute(m.group(1))
             read |= _read
-    return [j for j in reproduce.JOBS if j.name in read]
+    return [j for j in jobs.JOBS if j.name in read]
 
 
 @memo
 def measured(name: str) -> tuple[str, int] | None:
-    return reproduce.measured(reproduce.job_named(name))
+    return jobs.measured(jobs.job_named(name))
 
 
 STALENESS_LINK = {"README.md": "docs/testing.md", "docs/testing.md": ""}  # where testing.md is, seen from a page
@@ -686,7 +686,7 @@ STALENESS_LINK = {"README.md": "docs/testing.md", "docs/testing.md": ""}  # wher
 def stale_jobs(page: str) -> Callable[[], str]:
     """A line for each job the figures on ``page`` come from whose results predate the code
     as it stands: the commit it measured and how many commits to the code it runs came after
-    (``reproduce.measured``). A result is the record of its commit; a later change makes it
+    (``jobs.measured``). A result is the record of its commit; a later change makes it
     older, not wrong, and this says so where the figures stand."""
     def value() -> str:
         lines = []

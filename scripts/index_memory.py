@@ -26,14 +26,11 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-sys.path.insert(0, HERE)
 
-from engine_kit import engine  # noqa: E402
-from provenance import header, stamp  # noqa: E402
+from tierstore_kit.engine import engine
+from tierstore_kit.provenance import header, stamp
 
-from sglang_tierstore.tools import inspect  # noqa: E402
+from sglang_tierstore.tools import inspect
 
 TB = 1 << 40
 

@@ -49,7 +49,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -58,26 +57,22 @@ from typing import Any
 
 import requests
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.join(HERE, "..", "tests")]
 
-from cpu_harness import tiny_model
-from cpu_harness.server import BASE_FLAGS, Server, storage_args, tierstore_config
-from multiturn_loadtest import decode_itl, load_rows
-from provenance import header, stamp
+from tierstore_kit.cpu_harness import tiny_model
+from tierstore_kit.cpu_harness.server import BASE_FLAGS, Server, storage_args, tierstore_config
+from tierstore_kit.multiturn import TIERS, decode_itl, load_rows, shares
+from tierstore_kit.provenance import header, stamp
+from tierstore_kit.servers import free_port
 
 from sglang_tierstore.embedded import pid_file
 from sglang_tierstore.tools.plan import EmpiricalGaps, kv_bytes_per_token, plan
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+
 CONFIGS = ("no-hicache", "l2", "l2+file", "l2+tierstore")
-TIERS = ("device", "host", "storage")
 LOADTEST = os.path.join(HERE, "multiturn_loadtest.py")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def replace_flags(flags: list[str], **values: str) -> list[str]:
@@ -255,23 +250,16 @@ def predict(summary: dict[str, Any], rows: list[dict[str, Any]], config: str, bp
     }
 
 
-def shares(returning: list[dict[str, Any]], skip: int) -> dict[str, float]:
-    """Token-weighted share of the resent prefixes each tier served, leaving out the first
-    ``skip`` tokens of each (the tenant's system prompt, kept hot by every user of the
-    tenant: the planner models a user's own history). Cached tokens are a prefix in tier
-    order, device first, so the skipped tokens come off the device count first."""
-    served = dict.fromkeys(TIERS, 0)
-    total = 0
-    for r in returning:
-        left = skip
-        for t in TIERS:
-            n = r["cached"][t]
-            served[t] += max(0, n - left)
-            left = max(0, left - n)
-        total += max(0, r["prefix_tokens"] - skip)
-    out = {t: n / max(1, total) for t, n in served.items()}
-    out["miss"] = max(0.0, 1 - sum(out.values()))
-    return out
+def divergence(runs: dict[str, tuple[dict[str, Any], list[dict[str, Any]]]]) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """Per run (``tag -> (summary, rows)``, the first the reference): the requests
+    (``"user/turn"``) whose greedy output differs from the reference's, and those that
+    failed. A failed request (no output: a dropped connection, a timeout) is no divergence:
+    it is listed apart and left out of the comparison in every run."""
+    failed = {t: sorted(f"{r['user']}/{r['turn']}" for r in rows if r.get("error") and not r.get("backup"))
+              for t, (_, rows) in runs.items()}
+    ref = next(iter(runs.values()))[0]["outputs"]
+    compared = set(ref) - {k for f in failed.values() for k in f}
+    return {t: sorted(k for k in compared if s["outputs"].get(k) != ref[k]) for t, (s, _) in runs.items()}, failed
 
 
 def planner_table(preds: dict[str, dict[str, Any]]) -> str:
@@ -293,7 +281,7 @@ def planner_table(preds: dict[str, dict[str, Any]]) -> str:
 
 # -- before and after: which tierstore, what L3 did, paired differences -----------------------
 
-IMPORT_NOTE = "cpu harness: sglang_tierstore imported from "  # printed by tests/cpu_harness/shim
+IMPORT_NOTE = "cpu harness: sglang_tierstore imported from "  # printed by tierstore_kit/cpu_harness/shim
 
 
 def imported_from(log: str, offset: int) -> list[str]:
@@ -452,7 +440,7 @@ def rounds_report(out_dir: str, configs: list[str], suffix: str, rounds: int) ->
     first-turn TTFT and decode inter-token latency, the median ratio with a 95% interval
     that resamples rounds, then requests (``compare.clustered_paired_ratio``); and what
     tierstore's own work cost. Written to ``rounds.json``."""
-    from compare import clustered_paired_ratio, say
+    from tierstore_kit.stats import clustered_paired_ratio, say
 
     reqs: dict[str, dict[tuple[int, int, int], dict[str, Any]]] = {c: {} for c in configs}
     cpu: list[dict[str, Any]] = []
@@ -610,9 +598,8 @@ def report(args: argparse.Namespace, tags: list[str], model: str, bpt: int) -> i
     table = subprocess.run([sys.executable, LOADTEST, "--compare", *summaries, "--output-dir", args.output_dir],
                            check=True, capture_output=True, text=True).stdout
     runs = {t: load_rows(path) for t, path in zip(tags, summaries)}
-    outputs = {t: s["outputs"] for t, (s, _) in runs.items()}
-    ref_outputs = outputs[tags[0]]
-    differing = {t: sorted(k for k in ref_outputs if o.get(k) != ref_outputs[k]) for t, o in outputs.items()}
+    ref_outputs = runs[tags[0]][0]["outputs"]
+    differing, failed = divergence(runs)
     cfg = runs[tags[0]][0]["config"]
     lines = [f"model {model}: {bpt} KV bytes/token; {len(ref_outputs)} requests per run"]
     if cfg.get("backup_rate"):
@@ -679,6 +666,8 @@ def report(args: argparse.Namespace, tags: list[str], model: str, bpt: int) -> i
     same = all(not d for d in differing.values())
     lines.append(f"greedy outputs identical across {', '.join(tags)}: {same}"
                  + ("" if same else f" (differing requests: { {t: d for t, d in differing.items() if d} })"))
+    if any(failed.values()):
+        lines.append(f"failed requests, left out of that comparison: { {t: f for t, f in failed.items() if f} }")
     text = "\n".join([header(stamp(directory=args.workdir)), *lines])
     with open(os.path.join(args.output_dir, "summary.txt"), "w") as f:
         f.write(text + "\n")

@@ -42,14 +42,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import bisect
 import contextlib
 import hashlib
 import json
 import math
 import os
 import random
-import statistics
 import sys
 import time
 from collections.abc import Iterable, Sequence
@@ -60,8 +58,11 @@ import aiofiles
 import aiohttp
 from tqdm import tqdm
 
-TIERS = ("device", "host", "storage")
+from tierstore_kit.multiturn import TIERS, gap_label, gap_labels, load_rows, summarize, tier_stats
+from tierstore_kit.stats import percentile
+
 DEFAULT_GAP_BUCKETS = (5.0, 15.0, 30.0, 60.0, 120.0, 300.0)
+KEEPALIVE_S = 2.0  # how long an idle connection is kept for the next request
 
 
 # -- workload ---------------------------------------------------------------------
@@ -414,8 +415,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     jsonl = os.path.join(args.output_dir, f"{args.tag}.jsonl")
     timeout = aiohttp.ClientTimeout(total=args.request_timeout)
     # no connection pool limit (--max-parallel is the cap: a request waiting for a connection
-    # after its clock started would count as TTFT); native chunks repeat the output so far
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0),
+    # after its clock started would count as TTFT); idle connections dropped well before the
+    # server's keep-alive (SGLANG_TIMEOUT_KEEP_ALIVE, 5 s) closes them, or a request sent on one
+    # the server closes at that moment fails with "Server disconnected"; native chunks repeat
+    # the output so far
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector,
                                      read_bufsize=1 << 22) as session:
         before = await scrape_metrics(session, args.base_url)
         sem = asyncio.Semaphore(args.max_parallel)
@@ -451,81 +456,6 @@ def metric_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str
 # -- summary ------------------------------------------------------------------------------
 
 
-def pct(values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank percentile; None when empty."""
-    if not values:
-        return None
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
-
-
-def gap_label(gap: float | None, edges: Sequence[float]) -> str:
-    if gap is None:
-        return "first turn"
-    i = bisect.bisect_right(list(edges), gap)
-    lo = 0 if i == 0 else edges[i - 1]
-    return f">{lo:g}s" if i == len(edges) else f"{lo:g}-{edges[i]:g}s"
-
-
-def gap_labels(edges: Sequence[float]) -> list[str]:
-    return ["first turn"] + [gap_label(x, edges) for x in [0.0, *edges]]
-
-
-def _stats(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """TTFT percentiles and cached shares of successful requests."""
-    ttft = [r["ttft_s"] for r in rows if r["ttft_s"] is not None]
-    prefix = sum(r["prefix_tokens"] for r in rows)
-    out: dict[str, Any] = {
-        "requests": len(rows),
-        "ttft_p50_s": pct(ttft, 50), "ttft_p90_s": pct(ttft, 90), "ttft_p99_s": pct(ttft, 99),
-        "ttft_mean_s": statistics.fmean(ttft) if ttft else None,
-        "prefix_tokens": prefix, "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
-    }
-    served = [_served(r) for r in rows]
-    for t in TIERS:
-        n = sum(s[t] for s in served)
-        out[f"{t}_tokens"] = n
-        out[f"{t}_share"] = n / prefix if prefix else None
-    cached = sum(sum(s.values()) for s in served)
-    out["recomputed_share"] = max(0.0, 1 - cached / prefix) if prefix else None
-    return out
-
-
-def _served(r: dict[str, Any]) -> dict[str, int]:
-    """Tokens of the resent prefix each tier served. A cache can also match into this turn's
-    new text (a rerun of the same seed): that part is left out, from the last tier back."""
-    left = r["prefix_tokens"]
-    out = {}
-    for t in TIERS:
-        out[t] = min(r["cached"][t], left)
-        left -= out[t]
-    return out
-
-
-def summarize(rows: list[dict[str, Any]], edges: Sequence[float]) -> dict[str, Any]:
-    """TTFT percentiles overall, for returning turns, by turn and by gap bucket; cached
-    share per tier of the prefix each turn resent (the history before its new text).
-    Backup users' requests only count under ``backup`` (present when there are some)."""
-    backup = [r for r in rows if r.get("backup")]
-    rows = [r for r in rows if not r.get("backup")]
-    ok = [r for r in rows if not r["error"]]
-    returning = [r for r in ok if r["turn"] > 1]
-    itl = [x for r in ok for x in r["itl_s"]]
-    e2e = [r["e2e_s"] for r in ok if r["e2e_s"] is not None]
-    by_turn: dict[str, list[dict[str, Any]]] = {}
-    by_gap: dict[str, list[dict[str, Any]]] = {label: [] for label in gap_labels(edges)}
-    for r in ok:
-        by_turn.setdefault(str(r["turn"]), []).append(r)
-        by_gap[gap_label(r["gap_s"], edges)].append(r)
-    return {
-        "overall": {**_stats(ok), "errors": len(rows) - len(ok), "e2e_p50_s": pct(e2e, 50), "e2e_p90_s": pct(e2e, 90),
-                    "itl_p50_s": pct(itl, 50), "itl_p90_s": pct(itl, 90), "itl_p99_s": pct(itl, 99)},
-        "returning": _stats(returning),
-        "by_turn": {k: _stats(v) for k, v in sorted(by_turn.items(), key=lambda kv: int(kv[0]))},
-        "by_gap": {k: _stats(v) for k, v in by_gap.items() if v},
-        **({"backup": {**_stats([r for r in backup if not r["error"]]), "errors": sum(1 for r in backup if r["error"])}}
-           if backup else {}),
-    }
 
 
 def _ms(v: float | None) -> str:
@@ -565,21 +495,6 @@ def table(summaries: Sequence[dict[str, Any]]) -> str:
 # -- plots ------------------------------------------------------------------------------------
 
 
-def decode_itl(row: dict[str, Any]) -> float | None:
-    """A request's median inter-token latency after its first two tokens (the first gaps
-    still hold prefill and the first scheduling); None for a request with no such gaps."""
-    gaps = (row.get("itl_s") or [])[2:]
-    return statistics.median(gaps) if gaps else None
-
-
-def load_rows(summary_path: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    with open(summary_path) as f:
-        s = json.load(f)
-    with open(os.path.join(os.path.dirname(os.path.abspath(summary_path)), s["jsonl"])) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return s, rows
-
-
 def plot(runs: Sequence[tuple[dict[str, Any], list[dict[str, Any]]]], out_dir: str, prefix: str) -> list[str]:
     """TTFT CDF, TTFT by turn, cached share per tier against the return gap, and hits per
     tier over time; one curve (or panel) per run; the conversations only."""
@@ -616,8 +531,8 @@ def plot(runs: Sequence[tuple[dict[str, Any], list[dict[str, Any]]]], out_dir: s
     fig, ax = plt.subplots(figsize=(7, 4))
     for s, rows in runs:
         turns = sorted({r["turn"] for r in rows})
-        med = [pct([r["ttft_s"] for r in rows if r["turn"] == t and r["ttft_s"] is not None], 50) for t in turns]
-        p90 = [pct([r["ttft_s"] for r in rows if r["turn"] == t and r["ttft_s"] is not None], 90) for t in turns]
+        med = [percentile([r["ttft_s"] for r in rows if r["turn"] == t and r["ttft_s"] is not None], 0.5) for t in turns]
+        p90 = [percentile([r["ttft_s"] for r in rows if r["turn"] == t and r["ttft_s"] is not None], 0.9) for t in turns]
         line = ax.plot(turns, [1000 * (m or 0) for m in med], marker="o", label=f"{s['tag']} p50")[0]
         ax.plot(turns, [1000 * (m or 0) for m in p90], marker="x", ls="--", color=line.get_color(), label=f"{s['tag']} p90")
     ax.set_xlabel("turn")
@@ -632,7 +547,7 @@ def plot(runs: Sequence[tuple[dict[str, Any], list[dict[str, Any]]]], out_dir: s
         rows = [r for r in all_rows if not r["error"]]
         edges = s["config"]["gap_buckets"]
         labels = [g for g in gap_labels(edges)[1:] if any(gap_label(r["gap_s"], edges) == g for r in rows)]
-        stats = [_stats([r for r in rows if gap_label(r["gap_s"], edges) == g]) for g in labels]
+        stats = [tier_stats([r for r in rows if gap_label(r["gap_s"], edges) == g]) for g in labels]
         bottom = [0.0] * len(labels)
         for tier in (*TIERS, "recomputed"):
             vals = [(st[f"{tier}_share"] if tier != "recomputed" else st["recomputed_share"]) or 0.0 for st in stats]

@@ -30,15 +30,14 @@ import subprocess
 import sys
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.join(HERE, "..", "tests")]
 
-from loadtest_tiers import shares
-from multiturn_loadtest import load_rows
-from provenance import header, stamp
+from tierstore_kit.multiturn import load_rows, shares
+from tierstore_kit.provenance import header, stamp
 
 from sglang_tierstore.tools.plan import TIERS, GiB, LogNormalGaps
 from sglang_tierstore.tools.predict import Schedule, Workload, predict, replay
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 TOLERANCE = 0.10  # the bound on |predicted - measured| per tier
 WORKLOAD = {"num-clients": 48, "request-rate": 0.2, "num-rounds": 3, "request-length": 512,

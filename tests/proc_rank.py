@@ -15,19 +15,11 @@ import os
 import sys
 import time
 
-from pools import fill, keys, mha_pool, page_indices, storage_config
+from tierstore_kit.engine import attached, keys
+from tierstore_kit.pools import fill, mha_pool, page_indices, storage_config
 from sglang.srt.observability.metrics_collector import StorageMetricsCollector
 
 from sglang_tierstore import TierStoreBackend
-from sglang_tierstore.errors import StoreUnavailable
-
-
-def attached(be: TierStoreBackend) -> bool:
-    try:
-        be.store.space.attached()
-        return True
-    except StoreUnavailable:
-        return False
 
 
 def rank_main(extra: dict[str, object], rank: int, n: int) -> int:
@@ -40,7 +32,7 @@ def rank_main(extra: dict[str, object], rank: int, n: int) -> int:
     with TierStoreBackend(storage_config(extra, tp_rank=rank, tp_size=2, metrics=True), {}) as be:
         be.register_mem_pool_host(pool)
         deadline = time.monotonic() + 30
-        while not attached(be):  # the other rank may be attaching now: this one attaches at its next housekeeping pass
+        while not attached(be.store):  # the other rank may be attaching now: this one attaches at its next housekeeping pass
             if time.monotonic() > deadline:
                 return 5
             time.sleep(0.05)

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from engine_kit import housekeep, views
+from tierstore_kit.engine import housekeep, views
 
 from sglang_tierstore import TierStore
 from sglang_tierstore.tools import inspect

@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
-from conftest import free_port
-from cpu_harness.server import Server, cpu_args, tierstore_config
+from tierstore_kit.servers import free_port
+from tierstore_kit.cpu_harness.server import Server, cpu_args, tierstore_config
 
 from sglang_tierstore.tools import inspect
 from sglang_tierstore.config import TierStoreConfig
@@ -42,7 +42,7 @@ TORCH_EXTENSIONS = os.path.expanduser("~/.cache/sglang-tierstore/torch_extension
 @pytest.fixture(scope="session")
 def model(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The tiny random Llama every CPU server serves."""
-    from cpu_harness import tiny_model
+    from tierstore_kit.cpu_harness import tiny_model
 
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", TORCH_EXTENSIONS)
     return tiny_model.build(str(tmp_path_factory.mktemp("model")))
@@ -86,7 +86,7 @@ class Pair:
 
 @pytest.fixture(scope="session")
 def tierstore_pair(model: str, server_logs: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
-    from clusters import ClusterProc  # (clusters imports conftest, which imports this)
+    from tierstore_kit.clusters import ClusterProc  # (clusters imports conftest, which imports this)
 
     cluster = ClusterProc(tmp_path_factory.mktemp("pair-cluster"), "redis-server", replicas=0)
     cfg = tierstore_config(redis_cluster=cluster.seeds, redis_prefix="pair-" + uuid.uuid4().hex[:6],

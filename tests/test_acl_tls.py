@@ -19,9 +19,10 @@ from typing import Any, NamedTuple
 
 import pytest
 import redis
-from conftest import RedisProc, keys
-from engine_kit import MiB, engine, housekeep, pages, read, views
-from pools import fill, mha_pool, page_bytes, page_indices, storage_config
+from tierstore_kit.engine import keys
+from tierstore_kit.servers import RedisProc
+from tierstore_kit.engine import MiB, engine, housekeep, pages, read, views
+from tierstore_kit.pools import fill, mha_pool, page_bytes, page_indices, storage_config
 
 from sglang_tierstore import ConfigError, TierStoreBackend, TierStoreError
 from sglang_tierstore.tools import inspect

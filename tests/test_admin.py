@@ -27,9 +27,10 @@ import psutil
 import pytest
 import redis
 import requests
-from conftest import RedisProc, keys
-from cpu_harness.server import Server, conversation, tierstore_config
-from pools import fill, mha_pool, page_bytes, page_indices, storage_config
+from tierstore_kit.engine import keys
+from tierstore_kit.servers import RedisProc
+from tierstore_kit.cpu_harness.server import Server, conversation, tierstore_config
+from tierstore_kit.pools import fill, mha_pool, page_bytes, page_indices, storage_config
 from sglang_servers import GROUP, chat, reference, stored_pages, wait_for_backup
 from stallfs import StalledDisk
 from test_stall import disk  # noqa: F401  (the fixture)

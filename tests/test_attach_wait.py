@@ -16,12 +16,12 @@ from typing import Any, Callable
 
 import pytest
 import redis
-from conftest import RedisProc
-from engine_kit import engine
-from pools import fill, keys, mha_pool, page_indices, storage_config
+from tierstore_kit.servers import RedisProc, wait_for
+from tierstore_kit.engine import attached, engine, keys
+from tierstore_kit.pools import fill, mha_pool, page_indices, storage_config
 
-from sglang_tierstore import TierStore, TierStoreBackend
-from sglang_tierstore.errors import AttachBusy, StoreUnavailable
+from sglang_tierstore import TierStoreBackend
+from sglang_tierstore.errors import AttachBusy
 from sglang_tierstore.index import RedisIndex
 from sglang_tierstore.space import attach
 from sglang_tierstore.space.library import LIBRARY
@@ -29,21 +29,8 @@ from sglang_tierstore.space.library import LIBRARY
 CALLS = 1000
 
 
-def attached(st: TierStore) -> bool:
-    try:
-        st.space.attached()
-        return True
-    except StoreUnavailable:
-        return False
 
 
-def until(cond: Callable[[], bool], what: str, timeout_s: float = 10.0) -> float:
-    """Seconds until ``cond()`` held (polled), failing after ``timeout_s``."""
-    t0 = time.monotonic()
-    while not cond():
-        assert time.monotonic() - t0 < timeout_s, f"not within {timeout_s} s: {what}"
-        time.sleep(0.02)
-    return time.monotonic() - t0
 
 
 def test_calls_answer_at_once_while_another_node_holds_the_attach_lock(tmp_path: Path, redis_proc: RedisProc) -> None:
@@ -72,7 +59,7 @@ def test_calls_answer_at_once_while_another_node_holds_the_attach_lock(tmp_path:
         assert slowest < cfg["redis_timeout_s"] + 0.05, slowest
         assert be.store.stats()["write_not_attached"] == 4 * (CALLS // 3 + (CALLS % 3 > 2))
         admin.delete(attach.lock_key(prefix))
-        until(lambda: be.batch_set_v1(ks, page_indices(range(4), 4)) == [True] * 4, "housekeeping attaching")
+        wait_for(lambda: be.batch_set_v1(ks, page_indices(range(4), 4)) == [True] * 4, 10, "housekeeping attaching")
         assert be.batch_get_v1(ks, page_indices(range(8, 12), 4)) == [True] * 4
     admin.close()
 
@@ -105,7 +92,7 @@ def test_a_process_killed_holding_the_attach_lock_delays_the_next_attach_by_its_
     try:
         st.start_housekeeping()
         st.namespace({"m": "after"}, 4096)
-        until(lambda: attached(st), "an attach after the holder's death", 2 * attach.LOCK_TTL_MS / 1000)
+        wait_for(lambda: attached(st), 2 * attach.LOCK_TTL_MS / 1000, "an attach after the holder's death")
         assert time.monotonic() - killed <= attach.LOCK_TTL_MS / 1000 + 1.0
     finally:
         st.close()
@@ -126,7 +113,7 @@ def test_a_stalled_holder_loses_the_lock_and_its_check_stops_it(redis_proc: Redi
             lock.still_held()
         monkeypatch.setattr(attach, "RENEW_S", 60.0)  # a renewer that does not come back in time
         with attach._index_locked(index, prefix, "stalled") as lock:
-            until(lambda: index.set_nx(attach.lock_key(prefix), "another", 10_000), "the lock lapsing", 5.0)
+            wait_for(lambda: index.set_nx(attach.lock_key(prefix), "another", 10_000), 5.0, "the lock lapsing")
             with pytest.raises(AttachBusy, match="lapsed"):
                 lock.still_held()
         assert index.get(attach.lock_key(prefix)) == b"another"  # its release took nothing of the other's

@@ -17,8 +17,9 @@ from typing import Any, Callable
 
 import pytest
 import redis
-from conftest import RedisProc, flip_byte, keys
-from engine_kit import engine, pages, views
+from tierstore_kit.engine import flip_byte, keys
+from tierstore_kit.servers import RedisProc
+from tierstore_kit.engine import engine, pages, views
 
 from sglang_tierstore import TierStore
 from sglang_tierstore.tools import inspect

@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-from conftest import flip_byte, free_port, keys
-from engine_kit import MiB, engine, pages, views
+from tierstore_kit.engine import flip_byte, keys
+from tierstore_kit.servers import free_port
+from tierstore_kit.engine import MiB, engine, pages, views
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.exposition import MetricsHandler
 from prometheus_client.parser import text_string_to_metric_families
@@ -560,7 +561,7 @@ def test_a_tool_reads_the_index_it_started_once_it_has_loaded(tmp_path: Path) ->
     (``index.admin.wait_loaded``) before a tool reads it."""
     import redis
 
-    from conftest import RedisProc
+    from tierstore_kit.servers import RedisProc
     from sglang_tierstore.index.admin import wait_loaded
 
     proc = RedisProc(tmp_path / "r", args=("--key-load-delay", "1000", "--loading-process-events-interval-bytes", "1024"))

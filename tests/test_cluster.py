@@ -13,7 +13,8 @@ from typing import Any, Iterator
 
 import pytest
 import redis
-from clusters import ClusterProc, wait_for
+from tierstore_kit.clusters import ClusterProc
+from tierstore_kit.servers import wait_for
 from redis.crc import key_slot
 from scaleout_kit import Workload, settle_and_check, shard_of_key
 

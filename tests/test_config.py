@@ -187,7 +187,7 @@ def test_the_configuration_doc_lists_every_key_with_its_default() -> None:
 
 
 def test_adapter_rejects_a_bad_config_naming_the_key() -> None:
-    from pools import storage_config
+    from tierstore_kit.pools import storage_config
 
     from sglang_tierstore import TierStoreBackend
 

@@ -41,8 +41,9 @@ import redis
 import yaml
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-from conftest import keys, server_path
-from engine_kit import MiB, engine, pages, read, views
+from tierstore_kit.engine import keys
+from tierstore_kit.servers import server_path
+from tierstore_kit.engine import MiB, engine, pages, read, views
 
 from sglang_tierstore import ConfigError, TierStoreConfig
 from sglang_tierstore.errors import TierStoreError

@@ -24,9 +24,9 @@ import kubernetes_validate
 import pytest
 import redis
 import yaml
-from clusters import wait_for
-from conftest import free_cluster_port, server_path
-from engine_kit import engine
+from tierstore_kit.servers import wait_for
+from tierstore_kit.servers import free_cluster_port, server_path
+from tierstore_kit.engine import engine
 from scaleout_kit import Workload
 from test_deploy import K8S_VERSIONS, docker_compose, run, tool
 

@@ -9,8 +9,6 @@ server starts: SGLang's fault injector, and two TP ranks with ``--enable-metrics
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -19,14 +17,14 @@ from typing import Any
 import dashboard
 import pytest
 import requests
-from conftest import RedisProc, free_port
-from cpu_harness.server import Server, conversation, cpu_args, tierstore_config, tp_env
+from tierstore_kit.checkout import load_script
+from tierstore_kit.servers import RedisProc, free_port
+from tierstore_kit.cpu_harness.server import Server, conversation, cpu_args, tierstore_config, tp_env
 from prometheus_client.parser import text_string_to_metric_families
 from sglang_servers import GROUP, Pair, chat, reference, wait_for_backup
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-import demo_cpu  # noqa: E402
-import e2e_gpu  # noqa: E402
+demo_cpu = load_script("demo_cpu")
+e2e_gpu = load_script("e2e_gpu")
 
 pytestmark = [pytest.mark.server, GROUP]
 

@@ -16,9 +16,10 @@ from types import SimpleNamespace
 from typing import Any, Callable
 
 import pytest
-from conftest import RedisProc, flip_byte, keys
+from tierstore_kit.engine import flip_byte, keys
+from tierstore_kit.servers import RedisProc
 from monitor import Monitor
-from engine_kit import Hook, MiB, bury, engine, hooked, housekeep, pages, read, views
+from tierstore_kit.engine import Hook, MiB, bury, engine, hooked, housekeep, pages, read, views
 
 from sglang_tierstore import _native
 from sglang_tierstore.tools import inspect

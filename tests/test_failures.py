@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import RedisProc, embedded_binary, server_path
-from pools import fill, keys, mha_pool, page_bytes, page_indices, storage_config
+from tierstore_kit.servers import RedisProc, embedded_binary, server_path
+from tierstore_kit.engine import keys
+from tierstore_kit.pools import fill, mha_pool, page_bytes, page_indices, storage_config
 
 from sglang_tierstore import EmbeddedRedisError, TierStoreBackend
 from sglang_tierstore.embedded import (
@@ -65,7 +66,7 @@ def test_an_index_down_when_a_process_starts_is_index_unavailable_to_every_call(
     index down: every engine call raises IndexUnavailable at once, the error the engine
     documents for index trouble (not a bare StoreUnavailable), and once Redis answers again
     housekeeping attaches and the calls work."""
-    from engine_kit import engine, pages, views
+    from tierstore_kit.engine import engine, pages, views
 
     from sglang_tierstore import IndexUnavailable
 

@@ -7,14 +7,13 @@ target), which no result file measures."""
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-import figures  # noqa: E402
+from tierstore_kit.checkout import ROOT, load_script
+
+figures = load_script("figures")
 
 FENCE = re.compile(r"^```.*?^```", re.S | re.M)
 NUMBER = r"(?<![\w.+-])\d[\d,]*(?:\.\d+)?(?:-\d[\d,]*(?:\.\d+)?)?"

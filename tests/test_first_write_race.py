@@ -27,8 +27,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from conftest import RedisProc, keys
-from engine_kit import Hook, MiB, engine, hooked, housekeep, pages, views
+from tierstore_kit.engine import keys
+
+from tierstore_kit.servers import RedisProc
+from tierstore_kit.engine import Hook, MiB, engine, hooked, housekeep, pages, views
 
 WAIT_S = 30.0
 

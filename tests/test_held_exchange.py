@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
-from conftest import RedisProc
+from tierstore_kit.servers import RedisProc
 
 from sglang_tierstore.index import wire
 from sglang_tierstore.errors import IndexUnavailable

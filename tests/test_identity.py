@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 import redis
-from conftest import RedisProc, keys, page_files_bytes
-from engine_kit import MiB, engine, housekeep, pages, read, views
+from tierstore_kit.engine import keys, page_files_bytes
+from tierstore_kit.servers import RedisProc
+from tierstore_kit.engine import MiB, engine, housekeep, pages, read, views
 
 from sglang_tierstore import TierStore
 from sglang_tierstore.tools import inspect

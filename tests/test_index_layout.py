@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-from conftest import RedisProc, free_cluster_port, keys
+from tierstore_kit.engine import keys
+from tierstore_kit.servers import RedisProc, free_cluster_port
 from monitor import Monitor, monitor_args
-from engine_kit import MiB, engine, housekeep, pages, read, views
+from tierstore_kit.engine import MiB, engine, housekeep, pages, read, views
 
 from sglang_tierstore import TierStore
 from sglang_tierstore.tools import inspect

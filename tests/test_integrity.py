@@ -13,9 +13,11 @@ from typing import Any
 import pytest
 import redis
 import torch
-from conftest import RedisProc, flip_byte
-from engine_kit import Hook, bury, engine, hooked, housekeep, pages, read, views
-from pools import fill, keys, mha_pool, mla_pool, page_bytes, page_indices, storage_config
+from tierstore_kit.engine import flip_byte
+from tierstore_kit.servers import RedisProc
+from tierstore_kit.engine import Hook, bury, engine, hooked, housekeep, pages, read, views
+from tierstore_kit.engine import keys
+from tierstore_kit.pools import fill, mha_pool, mla_pool, page_bytes, page_indices, storage_config
 
 from sglang_tierstore import TierStoreBackend
 from sglang_tierstore.tools import inspect

@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import RedisProc, keys, page_files_bytes
-from engine_kit import Hook, MiB, engine, hooked, housekeep, pages, read, sweep_all, views
+from tierstore_kit.engine import keys, page_files_bytes
+from tierstore_kit.servers import RedisProc
+from tierstore_kit.engine import Hook, MiB, engine, hooked, housekeep, pages, read, sweep_all, views
 
 from sglang_tierstore import IndexUnavailable
 from sglang_tierstore.tools import inspect

@@ -14,8 +14,9 @@ from typing import Any
 
 import pytest
 import redis
-from conftest import RedisProc, keys
-from engine_kit import MiB, engine, housekeep, pages, read, views
+from tierstore_kit.engine import keys
+from tierstore_kit.servers import RedisProc
+from tierstore_kit.engine import MiB, engine, housekeep, pages, read, views
 from monitor import Monitor
 
 from sglang_tierstore import IndexUnavailable

@@ -9,19 +9,18 @@ server.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 from sglang_servers import GROUP, Pair
+from tierstore_kit.checkout import ROOT, SCRIPTS, load_script
+from tierstore_kit.multiturn import shares, summarize
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "multiturn_loadtest.py"
+SCRIPT = SCRIPTS / "multiturn_loadtest.py"
 PLOTS = ("ttft_cdf", "ttft_by_turn", "residency", "hits_over_time")
 RESULT_FIELDS = {
     "user", "tenant", "turn", "start_s", "gap_s", "wait_s", "ttft_s", "e2e_s", "itl_s", "prompt_tokens",
@@ -29,16 +28,7 @@ RESULT_FIELDS = {
 }
 
 
-def _load(name: str, path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-lt = _load("multiturn_loadtest", SCRIPT)
+lt = load_script("multiturn_loadtest")
 
 
 def loadtest(*args: str) -> subprocess.CompletedProcess[str]:
@@ -183,7 +173,7 @@ def test_summary_buckets_and_metrics() -> None:
     rows = [row(1, None, 0.5, 0, 0, 0, 50), row(2, 0.5, 0.1, 100, 0, 0), row(2, 3.0, 0.2, 0, 100, 0),
             row(3, 30.0, 0.3, 0, 0, 80), row(3, 40.0, 2.0, 0, 0, 0),
             row(2, 50.0, 0.4, 90, 0, 30)]  # cached into its new text too: only the prefix counts
-    s = lt.summarize(rows, [1.0, 10.0])
+    s = summarize(rows, [1.0, 10.0])
     assert set(s["by_gap"]) == {"first turn", "0-1s", "1-10s", ">10s"}
     assert s["by_gap"][">10s"]["storage_share"] == pytest.approx(90 / 300)
     assert s["by_gap"][">10s"]["device_share"] == pytest.approx(90 / 300)
@@ -195,7 +185,7 @@ def test_summary_buckets_and_metrics() -> None:
     # backup users' requests are reported apart and nowhere else
     backup = [{**row(1, None, 9.0, 0, 0, 0, 0), "backup": True, "prompt_tokens": 2048},
               {**row(1, None, 8.0, 0, 0, 0, 0), "backup": True, "error": "boom"}]
-    with_backup = lt.summarize(rows + backup, [1.0, 10.0])
+    with_backup = summarize(rows + backup, [1.0, 10.0])
     assert {k: v for k, v in with_backup.items() if k != "backup"} == s and "backup" not in s
     assert with_backup["backup"]["requests"] == 1 and with_backup["backup"]["errors"] == 1
     assert with_backup["backup"]["ttft_p50_s"] == 9.0 and with_backup["backup"]["prompt_tokens"] == 2048
@@ -230,14 +220,31 @@ def test_a_model_is_required_to_build_prompts(tmp_path: Path) -> None:
     assert r.returncode == 2 and "--model-path" in r.stderr
 
 
+def test_a_failed_request_is_listed_apart_not_counted_as_a_divergence() -> None:
+    """As in the committed load test's third round: one request got no output (the server
+    dropped its connection), which the report lists as failed and leaves out of the greedy
+    comparison everywhere; a different output is still a divergence."""
+    tiers = load_script("loadtest_tiers")
+    def run(outputs: dict[str, str], errors: tuple[str, ...] = ()) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        rows = [{"user": int(k.split("/")[0]), "turn": int(k.split("/")[1]), "error": "Server disconnected" if k in errors else None}
+                for k in outputs]
+        return {"outputs": outputs}, rows
+
+    ref = {"1/1": "a", "1/2": "b", "2/1": "c"}
+    runs = {"no-hicache@r1": run(ref), "l2+tierstore@r3": run({**ref, "1/2": "e3b0"}, errors=("1/2",)),
+            "l2@r1": run({**ref, "2/1": "x"})}
+    differing, failed = tiers.divergence(runs)
+    assert differing == {"no-hicache@r1": [], "l2+tierstore@r3": [], "l2@r1": ["2/1"]}
+    assert failed == {"no-hicache@r1": [], "l2+tierstore@r3": ["1/2"], "l2@r1": []}
+
+
 def test_planner_shares_leave_the_system_prompt_out() -> None:
-    tiers = _load("loadtest_tiers", ROOT / "scripts" / "loadtest_tiers.py")
     rows = [{"prefix_tokens": 300, "cached": {"device": 150, "host": 50, "storage": 100}},  # system on device
             {"prefix_tokens": 300, "cached": {"device": 40, "host": 0, "storage": 260}}]  # system partly evicted
-    own = tiers.shares(rows, 100)
+    own = shares(rows, 100)
     # own history: 200 tokens each; row 1: device 50, host 50, storage 100; row 2: storage 200
     assert own == pytest.approx({"device": 50 / 400, "host": 50 / 400, "storage": 300 / 400, "miss": 0.0})
-    whole = tiers.shares(rows, 0)
+    whole = shares(rows, 0)
     assert whole["device"] == pytest.approx(190 / 600) and whole["miss"] == pytest.approx(0.0)
 
 
@@ -267,7 +274,7 @@ def test_stream_chunks_fold_into_tokens() -> None:
 
 
 def test_storage_io_and_paired_differences() -> None:
-    tiers = _load("loadtest_tiers", ROOT / "scripts" / "loadtest_tiers.py")
+    tiers = load_script("loadtest_tiers")
     rank = 'dp_rank="0",tp_rank="0"'
     delta = {f'tierstore_pages_total{{op="write",outcome="stored",{rank}}}': 300.0,
              f'tierstore_pages_total{{op="write",outcome="exists",{rank}}}': 20.0,
@@ -298,7 +305,7 @@ def test_storage_io_and_paired_differences() -> None:
 
 
 def test_provenance_names_the_checkout_the_server_imported(tmp_path: Path) -> None:
-    tiers = _load("loadtest_tiers", ROOT / "scripts" / "loadtest_tiers.py")
+    tiers = load_script("loadtest_tiers")
     init = str(ROOT / "sglang_tierstore" / "__init__.py")
     log = tmp_path / "server.log"
     log.write_text(f"{tiers.IMPORT_NOTE}/elsewhere/sglang_tierstore/__init__.py\n")  # an earlier run's

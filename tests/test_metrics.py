@@ -21,7 +21,7 @@ from typing import Any
 import dashboard
 import pytest
 import sglang.srt.observability.metrics_collector as sglang_metrics
-from pools import mha_pool
+from tierstore_kit.pools import mha_pool
 from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
 
@@ -86,7 +86,8 @@ def test_each_call_counts_the_cpu_it_took_on_the_calling_thread(extra: dict[str,
     import threading
     import time
 
-    from pools import fill, keys, page_indices, storage_config
+    from tierstore_kit.engine import keys
+    from tierstore_kit.pools import fill, page_indices, storage_config
 
     from sglang_tierstore import TierStoreBackend
     from sglang_tierstore.metrics import thread_cpu

@@ -15,8 +15,9 @@ from typing import Any, Callable, Iterator
 
 import pytest
 import redis
-from conftest import RedisProc, keys
-from engine_kit import MiB, engine, pages, views
+from tierstore_kit.engine import keys
+from tierstore_kit.servers import RedisProc
+from tierstore_kit.engine import MiB, engine, pages, views
 
 from sglang_tierstore import TierStore, TierStoreConfig
 from sglang_tierstore.embedded import ensure_embedded_redis, stop_embedded_redis

@@ -22,8 +22,9 @@ from typing import Any
 
 import pytest
 import redis
-from conftest import RedisProc
-from pools import fill, keys, mha_pool, page_indices, storage_config
+from tierstore_kit.servers import RedisProc
+from tierstore_kit.engine import keys
+from tierstore_kit.pools import fill, mha_pool, page_indices, storage_config
 
 from sglang_tierstore import ConfigError, EmbeddedRedisError, TierStoreBackend
 from sglang_tierstore.config import TierStoreConfig, redact_url

@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-from conftest import page_files_bytes
-from mounts import mounted
-from pools import fill, keys, mha_pool, page_bytes, page_indices, storage_config
+from tierstore_kit.engine import page_files_bytes
+from tierstore_kit.mounts import mounted
+from tierstore_kit.engine import keys
+from tierstore_kit.pools import fill, mha_pool, page_bytes, page_indices, storage_config
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 
 from sglang_tierstore import ConfigError, TierStoreBackend
@@ -259,7 +260,7 @@ def test_pages_of_96_mib_are_stored_and_read_back(tmp_path: Any, redis_proc: Any
     for them, which cuts 128 MiB regions."""
     import uuid
 
-    from engine_kit import engine, pages, views
+    from tierstore_kit.engine import engine, pages, views
 
     page = 96 * MiB
     with engine({"path": str(tmp_path / "s"), "redis_url": redis_proc.url, "redis_prefix": "big-" + uuid.uuid4().hex[:8],

@@ -6,10 +6,8 @@ say a difference only where the interval excludes it."""
 from __future__ import annotations
 
 import fnmatch
-import importlib.util
 import json
 import os
-import random
 import shutil
 import subprocess
 import sys
@@ -19,18 +17,15 @@ from typing import Any, Optional
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-import compare  # noqa: E402
-import provenance  # noqa: E402
-import reproduce  # noqa: E402
+from tierstore_kit import jobs, provenance, stats
+from tierstore_kit.checkout import ROOT, load_script
 
-def smoke_runs() -> list[list[reproduce.Job]]:
+def smoke_runs() -> list[list[jobs.Job]]:
     """The smoke runs the suite makes: one per distinct script and arguments (interference's
     is the load test's), a job whose arguments read another's results (``{results}/<job>``:
     the planner validates the load test's run) made after that one, in the same run."""
-    runs: list[list[reproduce.Job]] = []
-    for j in reproduce.JOBS:
+    runs: list[list[jobs.Job]] = []
+    for j in jobs.JOBS:
         reads = [r for r in runs if any(f"{{results}}/{o.name}" in j.quick for o in r)]
         if reads:
             reads[0].append(j)
@@ -46,7 +41,7 @@ SMOKE_S = 600  # what one smoke run may take: the load tests' starts one CPU ser
 @pytest.mark.timeout(SMOKE_S + 60)  # (the suite's 300 s per test would cut the load test's off first)
 @pytest.mark.parametrize("jobs", [pytest.param(r, marks=[pytest.mark.server] if any(j.server for j in r) else [])
                                   for r in smoke_runs()], ids=lambda r: "+".join(j.name for j in r))
-def test_every_script_has_a_smoke_run_that_finishes_and_stamps(jobs: list[reproduce.Job], tmp_path: Path) -> None:
+def test_every_script_has_a_smoke_run_that_finishes_and_stamps(jobs: list[jobs.Job], tmp_path: Path) -> None:
     """A hang or a crash of a benchmark, the stress run, the load test or the suite's own
     timing fails here, not in the next session that tries to regenerate its results. A smoke
     run checks that a job runs and stamps its outputs, not its figures."""
@@ -70,9 +65,9 @@ def test_the_load_test_jobs_share_one_smoke_run_whose_workload_the_planner_valid
     """loadtest, interference and planner make one smoke run between them (one server start),
     and the planner can validate it only because it ran plan_validate.py's smoke workload."""
     assert [[j.name for j in r] for r in smoke_runs() if any(j.server for j in r)] == [["loadtest", "planner"]]
-    import plan_validate
+    plan_validate = load_script("plan_validate")
 
-    args = reproduce.QUICK_LOADTEST
+    args = jobs.QUICK_LOADTEST
     given = {args[i][2:]: args[i + 1] for i in range(len(args) - 1) if args[i].startswith("--")}
     first = next(iter(plan_validate.VARIANTS.values()))
     for key, value in {**plan_validate.WORKLOAD, **first, **plan_validate.QUICK}.items():
@@ -81,15 +76,15 @@ def test_the_load_test_jobs_share_one_smoke_run_whose_workload_the_planner_valid
 
 def test_every_committed_result_is_a_jobs_output_and_the_record_of_a_clean_commit() -> None:
     """What lies under scripts/results/ is exactly what reproduce.py regenerates: each file
-    is an output of its job's directory and the record of a run (``reproduce.problem``):
+    is an output of its job's directory and the record of a run (``jobs.problem``):
     stamped, clean, on this checkout's engine. A stale result (code changed since) is not
     failed here: figures.py marks it where its figures stand (test_figures.py)."""
-    outputs = {f"scripts/results/{j.name}/{o}" for j in reproduce.JOBS for o in j.outputs}
-    patterns = [f"scripts/results/{j.name}/{g}" for j in reproduce.JOBS for g in j.also]
+    outputs = {f"scripts/results/{j.name}/{o}" for j in jobs.JOBS for o in j.outputs}
+    patterns = [f"scripts/results/{j.name}/{g}" for j in jobs.JOBS for g in j.also]
     stray = [rel for p in sorted((ROOT / "scripts" / "results").rglob("*")) if p.is_file()
              for rel in [str(p.relative_to(ROOT))]
              if rel not in outputs and not any(fnmatch.fnmatch(rel, g) for g in patterns)]
-    broken = [line for j in reproduce.JOBS for line in reproduce.problems(j)]
+    broken = [line for j in jobs.JOBS for line in jobs.problems(j)]
     assert stray == [] and broken == []
 
 
@@ -99,7 +94,7 @@ def test_a_result_is_no_record_when_missing_unstamped_dirty_or_another_checkouts
     HEAD's clean commit is fresh; a commit before the engine's code changed is stale and
     still a record; a dirty stamp, another checkout's engine, no stamp or a missing output
     is no record (what CI fails on)."""
-    job = reproduce.job_named("bench_tags")
+    job = jobs.job_named("bench_tags")
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
                           check=True).stdout.strip()
     out = tmp_path / job.name
@@ -114,54 +109,55 @@ def test_a_result_is_no_record_when_missing_unstamped_dirty_or_another_checkouts
         return [w.split(": ", 1)[1] for w in lines]
 
     stamp(head)
-    if not reproduce.changed_since(head, reproduce.sources(job)):  # (uncommitted code stales even HEAD)
-        assert reproduce.why_stale(job, tmp_path) == [] and reproduce.measured(job, tmp_path) is None
+    if not jobs.changed_since(head, jobs.sources(job)):  # (uncommitted code stales even HEAD)
+        assert jobs.why_stale(job, tmp_path) == [] and jobs.measured(job, tmp_path) is None
     engine_before = "2c494a6"  # the base bench_caller measures against: the engine's code changed since
-    assert reproduce.changed_since(engine_before, reproduce.sources(job))
+    assert jobs.changed_since(engine_before, jobs.sources(job))
     stamp(engine_before)
-    why = reproduce.why_stale(job, tmp_path)
+    why = jobs.why_stale(job, tmp_path)
     assert len(why) == 2 and all(f"changed since {engine_before}" in w for w in why), why
-    assert reproduce.problems(job, tmp_path) == []
-    commit, behind = reproduce.measured(job, tmp_path) or ("", 0)
+    assert jobs.problems(job, tmp_path) == []
+    commit, behind = jobs.measured(job, tmp_path) or ("", 0)
     assert commit.startswith(engine_before) and behind >= 1
     stamp(head, dirty=True)
-    assert whys(reproduce.problems(job, tmp_path)) == ["stamped dirty"] * 2
+    assert whys(jobs.problems(job, tmp_path)) == ["stamped dirty"] * 2
     stamp(head, engine="/tmp/x")
-    assert whys(reproduce.problems(job, tmp_path)) == ["measured another checkout's engine (/tmp/x)"] * 2
-    assert reproduce.measured(job, tmp_path) is None
+    assert whys(jobs.problems(job, tmp_path)) == ["measured another checkout's engine (/tmp/x)"] * 2
+    assert jobs.measured(job, tmp_path) is None
     stamp(None)
-    assert sorted(whys(reproduce.problems(job, tmp_path))) == ["unstamped", "unstamped"]
+    assert sorted(whys(jobs.problems(job, tmp_path))) == ["unstamped", "unstamped"]
     (out / "bench_tags.txt").unlink()
-    assert any(w.endswith("bench_tags.txt: missing") for w in reproduce.problems(job, tmp_path))
+    assert any(w.endswith("bench_tags.txt: missing") for w in jobs.problems(job, tmp_path))
 
 
 def test_code_is_the_syntax_tree_for_python_and_the_uncommented_text_for_c_and_lua() -> None:
     """Comments, docstrings and formatting are not code; a changed value, a string that
     looks like a comment, or a statement are."""
     py = 'def f(x):\n    """Doc."""\n    return x + 1  # one\n'
-    assert reproduce.code("a.py", py) == reproduce.code("a.py", "def f( x ):\n    '''Other doc.'''\n\n    return (x+1)\n")
-    assert reproduce.code("a.py", py) != reproduce.code("a.py", py.replace("x + 1", "x + 2"))
-    assert reproduce.code("a.py", py) != reproduce.code("a.py", py.replace('"""Doc."""', 'print("Doc.")'))
+    assert jobs.code("a.py", py) == jobs.code("a.py", "def f( x ):\n    '''Other doc.'''\n\n    return (x+1)\n")
+    assert jobs.code("a.py", py) != jobs.code("a.py", py.replace("x + 1", "x + 2"))
+    assert jobs.code("a.py", py) != jobs.code("a.py", py.replace('"""Doc."""', 'print("Doc.")'))
     c = 'int f(void) {\n    /* block\n       comment */\n    return g("a//b", \'/\'); // line\n}\n'
-    assert reproduce.code("x.c", c) == reproduce.code("x.c", 'int f(void) {\n\n  return g("a//b", \'/\');\n}\n')
-    assert reproduce.code("x.c", c) != reproduce.code("x.c", c.replace("a//b", "a/b"))
-    assert reproduce.code("x.c", c) != reproduce.code("x.c", c.replace("/* block", "/* block */ x++; /*"))
+    assert jobs.code("x.c", c) == jobs.code("x.c", 'int f(void) {\n\n  return g("a//b", \'/\');\n}\n')
+    assert jobs.code("x.c", c) != jobs.code("x.c", c.replace("a//b", "a/b"))
+    assert jobs.code("x.c", c) != jobs.code("x.c", c.replace("/* block", "/* block */ x++; /*"))
     lua = 'local a = "x--y" -- note\n--[[ long\ncomment ]]\nreturn [[raw -- kept]]\n'
-    assert reproduce.code("s.lua", lua) == reproduce.code("s.lua", 'local a  =  "x--y"\n\nreturn [[raw -- kept]]\n')
-    assert reproduce.code("s.lua", lua) != reproduce.code("s.lua", lua.replace("x--y", "x"))
-    assert reproduce.code("s.lua", lua) != reproduce.code("s.lua", lua.replace("raw -- kept", "raw"))
-    assert reproduce.code("f.json", "{ }") != reproduce.code("f.json", "{}")
+    assert jobs.code("s.lua", lua) == jobs.code("s.lua", 'local a  =  "x--y"\n\nreturn [[raw -- kept]]\n')
+    assert jobs.code("s.lua", lua) != jobs.code("s.lua", lua.replace("x--y", "x"))
+    assert jobs.code("s.lua", lua) != jobs.code("s.lua", lua.replace("raw -- kept", "raw"))
+    assert jobs.code("f.json", "{ }") != jobs.code("f.json", "{}")
 
 
 PROBE = """
 import json, sys
-sys.path.insert(0, "scripts")
-import figures, reproduce
+from tierstore_kit import jobs
+from tierstore_kit.checkout import load_script
+figures = load_script("figures")
 current = not any(figures.stale(page) for page in figures.PAGES)
 if sys.argv[1] == "write":
     for page in figures.PAGES:
         page.write_text(figures.rewrite(page.read_text()))
-print(json.dumps({"jobs": {j.name: reproduce.measured(j) for j in reproduce.JOBS if not reproduce.problems(j)},
+print(json.dumps({"jobs": {j.name: jobs.measured(j) for j in jobs.JOBS if not jobs.problems(j)},
                   "current": current}))
 """
 
@@ -217,16 +213,16 @@ def test_list_shows_each_jobs_state_and_stale_reruns_only_stale_results(tmp_path
     assert listed.returncode == 0
     states = {line.split()[0]: line.split("min", 1)[1].split("scripts/")[0].strip()
               for line in listed.stdout.splitlines() if not line.startswith(" ")}
-    assert states == {j.name: "no record" if reproduce.problems(j) else "stale" if reproduce.why_stale(j) else "fresh"
-                      for j in reproduce.JOBS}
-    job = reproduce.job_named("bench_tags")
+    assert states == {j.name: "no record" if jobs.problems(j) else "stale" if jobs.why_stale(j) else "fresh"
+                      for j in jobs.JOBS}
+    job = jobs.job_named("bench_tags")
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
                           check=True).stdout.strip()
     (tmp_path / job.name).mkdir()
     s = {"commit": head, "dirty": False, "engine": ".", "command": "python3 scripts/bench_tags.py"}
     (tmp_path / job.name / "bench_tags.json").write_text(json.dumps({"stamp": s}))
     (tmp_path / job.name / "bench_tags.txt").write_text(provenance.header(s) + "\n")
-    if reproduce.changed_since(head, reproduce.sources(job)):
+    if jobs.changed_since(head, jobs.sources(job)):
         pytest.skip("the working tree's code differs from HEAD's: nothing is fresh")  # (never in CI's clean clone)
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "reproduce.py"), "--stale", "--only", job.name,
                           "--results", str(tmp_path), "--no-figures"], capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -239,50 +235,28 @@ def test_list_shows_each_jobs_state_and_stale_reruns_only_stale_results(tmp_path
 def test_the_sources_of_a_result_hold_the_engine_and_what_its_script_imports() -> None:
     """The staleness check above is only as good as this list: the engine's modules and its
     Lua are in every job's, helpers where a script imports them, the planners only there."""
-    bench = set(reproduce.sources(reproduce.job_named("bench_io")))
+    bench = set(jobs.sources(jobs.job_named("bench_io")))
     assert {"sglang_tierstore/store.py", "sglang_tierstore/adapter.py", "sglang_tierstore/index/__init__.py",
-            "sglang_tierstore/space/lua/writes.lua", "scripts/bench_io.py", "scripts/compare.py", "tests/pools.py"} <= bench
+            "sglang_tierstore/space/lua/writes.lua", "scripts/bench_io.py", "tierstore_kit/stats.py", "tierstore_kit/pools.py",
+            "tierstore_kit/iobench.py"} <= bench
     assert not {"sglang_tierstore/tools/plan.py", "sglang_tierstore/tools/predict.py", "sglang_tierstore/tools/cli.py"} & bench
-    assert {str(p.relative_to(reproduce.ROOT)) for p in reproduce.ENGINE_ENTRIES} <= bench
-    load = set(reproduce.sources(reproduce.job_named("loadtest")))
-    assert {"sglang_tierstore/tools/plan.py", "scripts/multiturn_loadtest.py", "tests/cpu_harness/server.py",
-            "tests/cpu_harness/shim/sitecustomize.py"} <= load
-    assert {"sglang_tierstore/tools/predict.py", "scripts/loadtest_tiers.py"} <= set(reproduce.sources(reproduce.job_named("planner")))
-
-
-def test_equivalent_versions_give_the_same_outputs(tmp_path: Path) -> None:
-    """EQUIVALENT's claim, checked: each earlier version, loaded from git, gives every public
-    function's output the file gives now, on seeded samples of several shapes."""
-    rng = random.Random(5)
-    samples = [[rng.lognormvariate(0, s) for _ in range(n)] for n, s in ((5, 0.1), (12, 0.5), (40, 1.0))]
-    for path, commits in reproduce.EQUIVALENT.items():
-        for c in commits:
-            (tmp_path / f"old_{c}.py").write_text(reproduce.show(c, path))
-            spec = importlib.util.spec_from_file_location(f"old_{c}", tmp_path / f"old_{c}.py")
-            assert spec and spec.loader
-            old = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(old)
-            for a in samples:
-                b = [x * rng.uniform(0.8, 1.3) for x in a]
-                assert old.median_interval(a) == compare.median_interval(a)
-                assert old.paired_ratio(a, b) == compare.paired_ratio(a, b)
-                assert old.unpaired_ratio(a, b[:-1]) == compare.unpaired_ratio(a, b[:-1])
-                groups = [(a[i::3], b[i::3]) for i in range(3)]
-                assert old.clustered_paired_ratio(groups) == compare.clustered_paired_ratio(groups)
-                iv = compare.paired_ratio(a, b)
-                assert old.say(iv) == compare.say(iv) and old.differs(iv) == compare.differs(iv)
+    assert {str(p.relative_to(jobs.ROOT)) for p in jobs.ENGINE_ENTRIES} <= bench
+    load = set(jobs.sources(jobs.job_named("loadtest")))
+    assert {"sglang_tierstore/tools/plan.py", "scripts/multiturn_loadtest.py", "tierstore_kit/multiturn.py",
+            "tierstore_kit/cpu_harness/server.py", "tierstore_kit/cpu_harness/shim/sitecustomize.py"} <= load
+    assert {"sglang_tierstore/tools/predict.py", "scripts/loadtest_tiers.py"} <= set(jobs.sources(jobs.job_named("planner")))
 
 
 def test_a_job_that_fails_or_leaves_an_unstamped_output_fails_reproduce(tmp_path: Path) -> None:
     """reproduce.py's own checks, on scripts that exit 0 stamping nothing, or exit 3."""
     (tmp_path / "nostamp.py").write_text("print('figures, no stamp')\n")
     (tmp_path / "fails.py").write_text("raise SystemExit(3)\n")
-    quiet = reproduce.Job("nostamp", str(tmp_path / "nostamp.py"), (), (), ("nostamp.txt",), "nostamp.txt", 1)
+    quiet = jobs.Job("nostamp", str(tmp_path / "nostamp.py"), (), (), ("nostamp.txt",), "nostamp.txt", 1)
     with pytest.raises(SystemExit, match="unstamped"):
-        reproduce.run_job(quiet, tmp_path / "r", quick=False, timeout_s=60)
-    failing = reproduce.Job("fails", str(tmp_path / "fails.py"), (), (), ("fails.txt",), "fails.txt", 1)
+        jobs.run_job(quiet, tmp_path / "r", quick=False, timeout_s=60)
+    failing = jobs.Job("fails", str(tmp_path / "fails.py"), (), (), ("fails.txt",), "fails.txt", 1)
     with pytest.raises(SystemExit, match="exited 3"):
-        reproduce.run_job(failing, tmp_path / "r", quick=False, timeout_s=60)
+        jobs.run_job(failing, tmp_path / "r", quick=False, timeout_s=60)
 
 
 def test_reproduce_refuses_to_measure_another_checkouts_engine(tmp_path: Path) -> None:
@@ -297,7 +271,7 @@ def test_reproduce_refuses_to_measure_another_checkouts_engine(tmp_path: Path) -
                          capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
     assert out.returncode == 2 and f"the engine imported is {other}'s" in out.stderr, out.stderr[-2000:]
     assert not (tmp_path / "r").exists()
-    assert reproduce.engine_problem(measuring=True) is None  # this checkout's own engine and helper, as CI installs them
+    assert jobs.engine_problem(measuring=True) is None  # this checkout's own engine and helper, as CI installs them
 
 
 def test_reproduce_measures_only_with_the_c_helper_built_from_this_source(tmp_path: Path) -> None:
@@ -307,22 +281,21 @@ def test_reproduce_measures_only_with_the_c_helper_built_from_this_source(tmp_pa
     source.write_text("/* source */")
     built.write_bytes(b"")
     os.utime(built, (source.stat().st_mtime - 10,) * 2)
-    assert reproduce.helper_problem(None, [source]) == "the engine's C helper (_pageio) is not built, so pages would move from Python"
-    assert reproduce.helper_problem(built, [source]) == "the engine's C helper _pageio.so was built before _pageio.c last changed"
+    assert jobs.helper_problem(None, [source]) == "the engine's C helper (_pageio) is not built, so pages would move from Python"
+    assert jobs.helper_problem(built, [source]) == "the engine's C helper _pageio.so was built before _pageio.c last changed"
     os.utime(built, (source.stat().st_mtime + 10,) * 2)
-    assert reproduce.helper_problem(built, [source]) is None
+    assert jobs.helper_problem(built, [source]) is None
     other = tmp_path / "_exchange.c"  # a second source of the same module, changed after the build
     other.write_text("/* source */")
     os.utime(other, (built.stat().st_mtime + 10,) * 2)
-    assert reproduce.helper_problem(built, [source, other]) == "the engine's C helper _pageio.so was built before _exchange.c last changed"
+    assert jobs.helper_problem(built, [source, other]) == "the engine's C helper _pageio.so was built before _exchange.c last changed"
     ext = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["ext-modules"]
-    assert [ROOT / src for m in ext for src in m["sources"]] == list(reproduce.HELPER_SOURCES)  # every source it builds from
+    assert [ROOT / src for m in ext for src in m["sources"]] == list(jobs.HELPER_SOURCES)  # every source it builds from
 
 
 FAKE_LOADTEST = """
 import argparse, json, sys
-sys.path.insert(0, {scripts!r})
-from provenance import header
+from tierstore_kit.provenance import header
 ap = argparse.ArgumentParser()
 for a in ("--configs", "--rounds", "--label", "--output-dir", "--log", "--runs"):
     ap.add_argument(a)
@@ -350,19 +323,19 @@ def test_a_rounds_job_runs_one_labelled_round_at_a_time_and_resumes(tmp_path: Pa
     commit landing meanwhile (the kept rounds' stamps name an older commit of the same
     code) is no reason to fail or rerun."""
     source = "deploy/tierstore.json"  # the fake's results "come from" a file the suite never edits
-    monkeypatch.setattr(reproduce, "sources", lambda j: [source])
+    monkeypatch.setattr(jobs, "sources", lambda j: [source])
     git = ["git", "-C", str(ROOT)]
     head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
     older = subprocess.run([*git, "log", "-1", "--format=%H", "--", source], capture_output=True, text=True,
                            check=True).stdout.strip()  # the last commit changing it: the same code as HEAD's
     fake = tmp_path / "fake.py"
-    fake.write_text(FAKE_LOADTEST.format(scripts=str(ROOT / "scripts")))
+    fake.write_text(FAKE_LOADTEST.format())
     log = tmp_path / "calls.log"
     Path(f"{log}.commit").write_text(older)
-    job = reproduce.Job("lt", str(fake), ("--configs", "a,b", "--rounds", "3", "--output-dir", "{dir}", "--log", str(log)),
+    job = jobs.Job("lt", str(fake), ("--configs", "a,b", "--rounds", "3", "--output-dir", "{dir}", "--log", str(log)),
                         (), ("summary.txt", "rounds.json", "planner.json", "calibration@r1.json"), None, 1, rounds=True)
     results = tmp_path / "results"
-    reproduce.run_job(job, results, quick=False, timeout_s=60)
+    jobs.run_job(job, results, quick=False, timeout_s=60)
     calls = [line.split() for line in log.read_text().splitlines()]
     assert [(c[c.index("--configs") + 1], c[c.index("--label") + 1]) for c in calls[:3]] == [
         ("a,b", "r1"), ("b,a", "r2"), ("a,b", "r3")]
@@ -373,12 +346,12 @@ def test_a_rounds_job_runs_one_labelled_round_at_a_time_and_resumes(tmp_path: Pa
     stale.write_text(json.dumps({"stamp": {"commit": head, "dirty": True, "engine": "."}}))
     log.unlink()
     Path(f"{log}.commit").write_text(head)
-    reproduce.run_job(job, results, quick=False, timeout_s=60)
+    jobs.run_job(job, results, quick=False, timeout_s=60)
     calls = [line.split() for line in log.read_text().splitlines()]
     assert len(calls) == 2 and calls[0][calls[0].index("--label") + 1] == "r2" and "--report-only" in calls[1]
     assert provenance.read_stamp(results / "lt" / "calibration@r1.json")["commit"] == older  # kept
     assert provenance.read_stamp(results / "lt" / "summary.txt")["commit"] == head
-    assert reproduce.why_stale(job, results) == []
+    assert jobs.why_stale(job, results) == []
 
 
 def test_a_stamp_round_trips_through_json_and_text(tmp_path: Path) -> None:
@@ -392,14 +365,14 @@ def test_a_stamp_round_trips_through_json_and_text(tmp_path: Path) -> None:
 
 
 def test_a_difference_is_said_only_where_the_interval_excludes_it() -> None:
-    same = compare.paired_ratio([1.0, 1.1, 0.9, 1.05, 0.95], [1.0, 1.0, 1.0, 1.0, 1.0])
-    assert same["lo"] < 1 < same["hi"] and not compare.differs(same)
-    assert compare.say(same).startswith("no difference detected at +-")
-    faster = compare.paired_ratio([2.0, 2.1, 1.9, 2.05, 1.95], [1.0, 1.0, 1.0, 1.0, 1.0])
-    assert compare.differs(faster) and compare.say(faster).startswith("2.00x (")
+    same = stats.paired_ratio([1.0, 1.1, 0.9, 1.05, 0.95], [1.0, 1.0, 1.0, 1.0, 1.0])
+    assert same["lo"] < 1 < same["hi"] and not stats.differs(same)
+    assert stats.say(same).startswith("no difference detected at +-")
+    faster = stats.paired_ratio([2.0, 2.1, 1.9, 2.05, 1.95], [1.0, 1.0, 1.0, 1.0, 1.0])
+    assert stats.differs(faster) and stats.say(faster).startswith("2.00x (")
     # pairing removes a drift both systems share: unpaired, the same samples hold 1
     a = [1.0 * k for k in (1, 2, 3, 4, 5, 6)]
     b = [0.9 * k for k in (1, 2, 3, 4, 5, 6)]
-    assert compare.differs(compare.paired_ratio(a, b)) and not compare.differs(compare.unpaired_ratio(a, b))
+    assert stats.differs(stats.paired_ratio(a, b)) and not stats.differs(stats.unpaired_ratio(a, b))
     with pytest.raises(ValueError, match="differ in length"):
-        compare.paired_ratio([1.0], [1.0, 2.0])
+        stats.paired_ratio([1.0], [1.0, 2.0])

@@ -13,8 +13,8 @@ from typing import Any, Sequence
 
 import pytest
 import redis
-from conftest import RedisProc
-from engine_kit import engine, housekeep
+from tierstore_kit.servers import RedisProc
+from tierstore_kit.engine import engine, housekeep
 from scaleout_kit import Workload, settle_and_check
 
 from sglang_tierstore import TierStore

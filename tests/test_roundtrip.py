@@ -6,7 +6,8 @@ from typing import Any
 
 import pytest
 import torch
-from pools import MHA_LAYOUTS, MLA_LAYOUTS, fill, keys, mha_pool, mla_pool, page_bytes, page_indices, storage_config
+from tierstore_kit.engine import keys
+from tierstore_kit.pools import MHA_LAYOUTS, MLA_LAYOUTS, fill, mha_pool, mla_pool, page_bytes, page_indices, storage_config
 
 from sglang_tierstore import TierStoreBackend
 from sglang_tierstore.tools import inspect

@@ -8,16 +8,15 @@ greedy output."""
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 
 import pytest
-from cpu_harness.server import conversation
+from tierstore_kit.checkout import load_script
+from tierstore_kit.cpu_harness.server import conversation
 from sglang_servers import GROUP, Pair
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-from router_fleet import Router, scenario  # noqa: E402
+router_fleet = load_script("router_fleet")
+Router, scenario = router_fleet.Router, router_fleet.scenario
 
 pytestmark = [pytest.mark.server, GROUP]
 

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-from clusters import SentinelProc, wait_for
+from tierstore_kit.clusters import SentinelProc
+from tierstore_kit.servers import wait_for
 from scaleout_kit import Workload, settle_and_check
 
 from sglang_tierstore import TierStore

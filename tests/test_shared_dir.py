@@ -18,8 +18,8 @@ from typing import Any, Iterator
 
 import pytest
 import redis
-from conftest import RedisProc
-from engine_kit import engine, housekeep
+from tierstore_kit.servers import RedisProc
+from tierstore_kit.engine import engine, housekeep
 from scaleout_kit import Workload, settle_and_check
 from stallfs import StalledDisk, _umount
 

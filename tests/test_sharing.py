@@ -8,7 +8,8 @@ import subprocess
 import sys
 from typing import Any
 
-from pools import fill, keys, mha_pool, page_bytes, page_indices, storage_config
+from tierstore_kit.engine import keys
+from tierstore_kit.pools import fill, mha_pool, page_bytes, page_indices, storage_config
 
 from sglang_tierstore import TierStoreBackend
 from sglang_tierstore.tools import inspect

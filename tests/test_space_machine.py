@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import RedisProc, keys
-from engine_kit import bury, engine, views
+from tierstore_kit.engine import keys
+from tierstore_kit.servers import RedisProc
+from tierstore_kit.engine import bury, engine, views
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence, TypeVar
 
 import pytest
-from conftest import RedisProc, keys
-from engine_kit import MiB, engine, pages, read, views
+from tierstore_kit.engine import keys
+from tierstore_kit.servers import RedisProc
+from tierstore_kit.engine import MiB, engine, pages, read, views
 from stallfs import StalledDisk
 
 from sglang_tierstore import TierStore
@@ -281,7 +282,8 @@ def test_sglangs_backup_call_returns_on_a_stalled_disk(disk: StalledDisk, redis_
     """``batch_set_v1``, as SGLang's backup thread calls it with a real host pool: on a
     disk whose writes stall it answers False within write_timeout_s, and True once the
     disk answers again."""
-    from pools import fill, keys as page_keys, mha_pool, page_indices, storage_config
+    from tierstore_kit.engine import keys as page_keys
+    from tierstore_kit.pools import fill, mha_pool, page_indices, storage_config
 
     from sglang_tierstore import TierStoreBackend
 

@@ -15,9 +15,10 @@ from typing import Any, Iterator
 
 import pytest
 import redis
-from conftest import RedisProc
-from mounts import fill_disk, tmpfs
-from pools import fill, keys, mha_pool, page_bytes, page_indices, storage_config
+from tierstore_kit.servers import RedisProc, wait_for
+from tierstore_kit.mounts import fill_disk, tmpfs
+from tierstore_kit.engine import keys
+from tierstore_kit.pools import fill, mha_pool, page_bytes, page_indices, storage_config
 
 from sglang_tierstore import TierStoreBackend
 from sglang_tierstore.embedded import (AOF_ASIDE, AOF_DIR, embedded_running, join_embedded_redis, pid_file, redis_dir,
@@ -99,13 +100,13 @@ def test_an_index_whose_aof_disk_is_full_refuses_writes_as_read_only_and_recover
                 assert be.batch_set_v1(ks[:6], page_indices(range(6), 4)) == [True] * 6
                 filler = fill_disk(disk)
                 with caplog.at_level(logging.WARNING):
-                    until(lambda: be.batch_set_v1(ks[6:], page_indices(range(6, 12), 4)) == [False] * 6
-                          and refusals(be, "index_read_only") > 0, "writes refused")
+                    wait_for(lambda: be.batch_set_v1(ks[6:], page_indices(range(6, 12), 4)) == [False] * 6
+                          and refusals(be, "index_read_only") > 0, 20, "writes refused")
                     assert be.batch_get_v1(ks[:6], page_indices(range(20, 26), 4)) == [True] * 6
                     assert "MISCONF" in caplog.text and "Traceback" not in caplog.text
                     assert "error_internal" not in be.store.stats()
                 filler.unlink()
-                until(lambda: be.batch_set_v1(ks[6:], page_indices(range(6, 12), 4)) == [True] * 6, "writes again")
+                wait_for(lambda: be.batch_set_v1(ks[6:], page_indices(range(6, 12), 4)) == [True] * 6, 20, "writes again")
                 assert be.batch_get_v1(ks, page_indices(range(30, 42), 4)) == [True] * 12
         finally:
             r.stop()
@@ -127,8 +128,8 @@ def test_a_backend_on_a_replica_reads_and_refuses_writes_as_read_only(
             a.register_mem_pool_host(pool)
             assert a.batch_set_v1(ks[:4], page_indices(range(4), 4)) == [True] * 4
             probe = redis.Redis.from_url(replica.url)
-            until(lambda: probe.info("replication")["master_link_status"] == "up"
-                  and probe.dbsize() == redis.Redis.from_url(master.url).dbsize(), "replicated")
+            wait_for(lambda: probe.info("replication")["master_link_status"] == "up"
+                  and probe.dbsize() == redis.Redis.from_url(master.url).dbsize(), 20, "replicated")
             with caplog.at_level(logging.WARNING), TierStoreBackend(storage_config({**cfg, "redis_url": replica.url}), {}) as b:
                 b.register_mem_pool_host(pool)
                 assert b.batch_get_v1(ks[:4], page_indices(range(10, 14), 4)) == [True] * 4
@@ -173,8 +174,7 @@ def test_a_full_disk_at_start_comes_up_serving_and_writes_again_when_space_retur
                     filler.unlink()
                     assert b.batch_set_v1(ks[6:], page_indices(range(6, 12), 4)) == [True] * 6
                     assert inspect.check(b.store) == []
-                    until(lambda: c.batch_set_v1(ks[:2], page_indices(range(2), 4)) == [True] * 2,
-                          "housekeeping creating the store once there is room")
+                    wait_for(lambda: c.batch_set_v1(ks[:2], page_indices(range(2), 4)) == [True] * 2, 20, "housekeeping creating the store once there is room")
                     assert c.batch_get_v1(ks[:2], page_indices(range(40, 42), 4)) == [True] * 2
 
 
@@ -192,12 +192,6 @@ def write_on_a_full_disk(be: TierStoreBackend, ks: list[str], indices: Any) -> l
     return got
 
 
-def until(cond: Any, what: str, timeout_s: float = 20.0) -> None:
-    """Wait for ``cond()`` (the backend's housekeeping acts on its own), bounded."""
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"not within {timeout_s}s: {what}"
-        time.sleep(0.1)
 
 
 def embedded_pid(path: str) -> int:
@@ -237,13 +231,13 @@ def test_the_embedded_index_killed_while_the_disk_is_full_comes_back(tmp_path: P
                 filler = fill_disk(disk)
                 pid = embedded_pid(cfg["path"])
                 os.kill(pid, 9)
-                until(lambda: embedded_running(cfg["path"]) and embedded_pid(cfg["path"]) != pid, "restarted")
-                until(lambda: be.batch_get_v1(ks[:6], page_indices(range(10, 16), 4)) == [True] * 6, "reads hit")
+                wait_for(lambda: embedded_running(cfg["path"]) and embedded_pid(cfg["path"]) != pid, 20, "restarted")
+                wait_for(lambda: be.batch_get_v1(ks[:6], page_indices(range(10, 16), 4)) == [True] * 6, 20, "reads hit")
                 assert page_bytes(pool, 15) == page_bytes(pool, 5)
                 assert conf.stat().st_mtime_ns == written
                 write_on_a_full_disk(be, ks[6:], page_indices(range(6, 12), 4))
                 filler.unlink()
-                until(lambda: be.batch_set_v1(ks[6:], page_indices(range(6, 12), 4)) == [True] * 6, "writes again")
+                wait_for(lambda: be.batch_set_v1(ks[6:], page_indices(range(6, 12), 4)) == [True] * 6, 20, "writes again")
                 assert be.batch_get_v1(ks, page_indices(range(20, 32), 4)) == [True] * 12
                 assert inspect.check(be.store) == []
         finally:
@@ -263,7 +257,7 @@ def refuse_writes(r: redis.Redis) -> None:
             return False
         except redis.ResponseError as e:
             return str(e).startswith("MISCONF")
-    until(refused, "the index refuses writes")
+    wait_for(refused, 20, "the index refuses writes")
 
 
 @pytest.mark.parametrize("index", ["embedded", "external"])
@@ -300,7 +294,7 @@ def test_a_rank_starting_while_the_index_aof_disk_is_full_comes_up_and_writes_on
                     assert sum("batch_set_v1" in m and "MISCONF" in m for m in said) == 1, said
                     assert "Traceback" not in caplog.text
                     filler.unlink()
-                    until(lambda: b.batch_set_v1(ks[6:], page_indices(range(6, 12), 4)) == [True] * 6, "writes again")
+                    wait_for(lambda: b.batch_set_v1(ks[6:], page_indices(range(6, 12), 4)) == [True] * 6, 20, "writes again")
                     assert b.batch_get_v1(ks, page_indices(range(20, 32), 4)) == [True] * 12
                     assert inspect.check(b.store) == []
         finally:
@@ -329,15 +323,15 @@ def test_an_unreadable_embedded_aof_is_moved_aside_and_the_index_starts_empty(
             if when == "while_running":
                 rot_aof(cfg["path"])
                 with caplog.at_level(logging.WARNING):
-                    until(lambda: embedded_running(cfg["path"]), "restarted")
-                    until(lambda: be.batch_set_v1(ks[4:], page_indices(range(4, 8), 4)) == [True] * 4, "writes")
+                    wait_for(lambda: embedded_running(cfg["path"]), 20, "restarted")
+                    wait_for(lambda: be.batch_set_v1(ks[4:], page_indices(range(4, 8), 4)) == [True] * 4, 20, "writes")
         if when == "at_start":
             rot_aof(cfg["path"])
             t0 = time.monotonic()
             with caplog.at_level(logging.WARNING), TierStoreBackend(storage_config(cfg), {}) as be:
                 assert time.monotonic() - t0 < 10
                 be.register_mem_pool_host(pool)
-                until(lambda: be.batch_set_v1(ks[4:], page_indices(range(4, 8), 4)) == [True] * 4, "writes")
+                wait_for(lambda: be.batch_set_v1(ks[4:], page_indices(range(4, 8), 4)) == [True] * 4, 20, "writes")
                 assert be.batch_get_v1(ks[4:], page_indices(range(10, 14), 4)) == [True] * 4
         assert aside.is_dir() and any(aside.glob("*.incr.aof"))
         assert [r.getMessage() for r in caplog.records].count(next(

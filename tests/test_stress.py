@@ -17,15 +17,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import RedisProc
-from engine_kit import MiB, housekeep
+from tierstore_kit.checkout import load_script
+from tierstore_kit.servers import RedisProc
+from tierstore_kit.engine import MiB, housekeep
 
 from sglang_tierstore import TierStore, TierStoreConfig
 from sglang_tierstore.tools import inspect
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-import stress  # noqa: E402
+stress = load_script("stress")
 
 KILLS_MID_BATCH = 100
 LEASE_S = 1.0
@@ -114,8 +114,8 @@ def test_redis_killed_and_restarted_from_its_aof_under_load(extra: dict[str, Any
     and started again from its AOF on the same port: no call raises or hits a bug (every
     error counted is the index being unavailable), no read returns other bytes, and every
     reader has all its pages again within two ``redis_retry_s`` of Redis serving (and a second)."""
-    from conftest import keys
-    from pools import fill, mha_pool, page_bytes, page_indices, storage_config
+    from tierstore_kit.engine import keys
+    from tierstore_kit.pools import fill, mha_pool, page_bytes, page_indices, storage_config
     from sglang_tierstore import TierStoreBackend
 
     retry_s = 1.0

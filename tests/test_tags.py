@@ -12,8 +12,9 @@ from typing import Any, Iterator
 
 import pytest
 import redis
-from conftest import RedisProc, keys
-from engine_kit import MiB, engine, housekeep, pages, read, views
+from tierstore_kit.engine import keys
+from tierstore_kit.servers import RedisProc
+from tierstore_kit.engine import MiB, engine, housekeep, pages, read, views
 
 from sglang_tierstore.tools import inspect
 from sglang_tierstore.errors import ConfigError

@@ -17,7 +17,7 @@ from unittest import mock
 
 import pytest
 import torch
-from cpu_harness.shim import cpu_ops
+from tierstore_kit.cpu_harness.shim import cpu_ops
 from sglang.kernels.ops.attention.fla.chunk_delta_h import CHUNK_SIZE as FLA_CHUNK_SIZE
 from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
 from sglang.srt.mem_cache.unified_cache.components.base import ComponentType

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from pools import fill, keys, mha_pool, page_bytes, page_indices, storage_config
+from tierstore_kit.engine import keys
+from tierstore_kit.pools import fill, mha_pool, page_bytes, page_indices, storage_config
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 
 from sglang_tierstore import TierStoreBackend

@@ -8,7 +8,7 @@ import socket
 from importlib.metadata import version
 
 import redis
-from conftest import RedisProc
+from tierstore_kit.servers import RedisProc
 
 from sglang_tierstore.index import wire
 

@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import RedisProc, keys
-from engine_kit import Hook, MiB, engine, hooked, pages, views
+from tierstore_kit.engine import keys
+from tierstore_kit.servers import RedisProc
+from tierstore_kit.engine import Hook, MiB, engine, hooked, pages, views
 
 from sglang_tierstore.errors import IndexUnavailable, PageIOError
 from sglang_tierstore.store import TierStore

@@ -1,12 +1,16 @@
-"""The engine over plain bytes: stores, pages and buffers without torch or SGLang."""
+"""The engine over plain bytes: stores, pages, buffers and page keys without torch or SGLang,
+and what a test does to the files under a store (bit rot, their size on disk)."""
 
 from __future__ import annotations
 
+import hashlib
+import os
 import random
 import time
 from typing import Any, Callable, Optional, Sequence
 
 from sglang_tierstore import TierStore, TierStoreConfig
+from sglang_tierstore.errors import StoreUnavailable
 from sglang_tierstore.pagefile import PageFiles
 from sglang_tierstore.store import Namespace
 
@@ -92,3 +96,35 @@ def views(bufs: Sequence[bytearray]) -> list[list[memoryview]]:
 def read(store: TierStore, ns: Namespace, ks: Sequence[str]) -> tuple[list[bool], list[bytearray]]:
     out = [bytearray(ns.page_bytes) for _ in ks]
     return store.read(ns, ks, views(out), False), out
+
+
+def keys(n: int, tag: str = "k") -> list[str]:
+    """SGLang-like page keys: 64-hex SHA-256 strings."""
+    return [hashlib.sha256(f"{tag}{i}".encode()).hexdigest() for i in range(n)]
+
+
+def flip_byte(path: str, offset: int) -> None:
+    """Bit rot: one byte of a file changes under the store."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x5A]))
+
+
+def page_files_bytes(path: str) -> int:
+    total = 0
+    for root, _, names in os.walk(path):
+        for n in names:
+            if n.endswith(".pages"):
+                total += os.stat(os.path.join(root, n)).st_blocks * 512
+    return total
+
+
+def attached(st: TierStore) -> bool:
+    """Whether ``st`` is attached to its store now (housekeeping attaches it; a call never does)."""
+    try:
+        st.space.attached()
+        return True
+    except StoreUnavailable:
+        return False

@@ -11,28 +11,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import redis
-from conftest import free_cluster_port, free_port, server_path
+from tierstore_kit.servers import free_cluster_port, free_port, server_path, wait_for
 
 SLOTS = 16384
-
-
-def wait_for(cond: Callable[[], Any], timeout: float, what: str, every: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            got = cond()
-            if got:
-                return got
-        except (redis.RedisError, OSError):
-            pass
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(every)
 
 
 class ServerNode:

