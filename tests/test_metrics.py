@@ -37,8 +37,7 @@ def rank(r: int) -> dict[str, str]:
 def test_each_rank_keeps_its_own_series_in_one_multiprocess_dir(extra: dict[str, Any], tmp_path: Path) -> None:
     prom = tmp_path / "prometheus"
     prom.mkdir()
-    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(prom),
-           "PYTHONPATH": HERE + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(prom)}
     pages = {0: 3, 1: 5}  # different per rank: a sum over ranks would show
     ranks = subprocess.run([sys.executable, os.path.join(HERE, "proc_rank.py"), json.dumps(extra),
                             *(f"{r}:{n}" for r, n in pages.items())], env=env, timeout=240, check=False)

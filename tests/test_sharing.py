@@ -20,9 +20,7 @@ N = 32
 
 def test_two_processes_share_one_store_and_restart(extra: dict[str, Any]) -> None:
     child = subprocess.Popen(
-        [sys.executable, os.path.join(HERE, "proc_backend.py"), json.dumps(extra)],
-        env={**os.environ, "PYTHONPATH": HERE + os.pathsep + os.environ.get("PYTHONPATH", "")},
-    )
+        [sys.executable, os.path.join(HERE, "proc_backend.py"), json.dumps(extra)])
     mine, theirs = mha_pool("page_first"), mha_pool("page_first")
     fill(mine, 200)
     fill(theirs, 100)

@@ -291,19 +291,23 @@ def changed_since(commit: str, files: list[str]) -> list[str]:
     working tree."""
     touched = {*_git_lines("diff", "--name-only", commit, "--", *files),
                *_git_lines("ls-files", "--others", "--exclude-standard", "--", *files)}
-    return sorted(f for f in touched if not _same_code(f, _rev(commit), WORKTREE))
+    at = _rev(commit)
+    return sorted(f for f in touched if not _same_code(f, at, WORKTREE))
 
 
 def code_commits(commit: str, files: list[str]) -> int:
     """How many commits after ``commit`` change the code of one of ``files`` (the working
     tree counting as one more where it changes it): how far a result stamped with ``commit``
     lies behind."""
-    def changes(a: str, b: str) -> bool:
-        return any(not _same_code(f, a, b) for f in (_git_lines("diff", "--name-only", a, b, "--", *files)
-                                                     if b != WORKTREE else changed_since(a, files)))
-    head = _rev("HEAD")
-    revs = _git_lines("rev-list", "--first-parent", f"{commit}..HEAD", "--", *files)
-    return sum(changes(_rev(f"{r}^"), r) for r in revs) + changes(head, WORKTREE)
+    # one git log for every commit since: each one's first parent and the files it touched
+    log = subprocess.run(["git", "-C", str(ROOT), "log", "--first-parent", "--format=%x00%H %P", "--name-only",
+                          f"{commit}..HEAD", "--", *files], capture_output=True, text=True, check=True).stdout
+    behind = 0
+    for record in log.split("\0")[1:]:
+        head_line, *names = record.split("\n")
+        rev, parent = head_line.split()[:2]
+        behind += any(not _same_code(f, parent, rev) for f in names if f)
+    return behind + bool(changed_since(_rev("HEAD"), files))
 
 
 def show(commit: str, path: str) -> str:
