@@ -16,11 +16,13 @@ batch, and a housekeeping pass. Measured:
   its region's member blob, which small pages make large);
 - client-side p50/p99 of a probe (``TierStore.exists``) and of a batch's COMMIT round trip.
 
-Then the latency target, paired: a one-node store and a 3-master-cluster store (a replica per
-master), both up at once, take turns (in alternating order) writing a batch of 128 pages of
-4 KiB, ``--paired`` times each, then take turns probing their last batch as often; reported are
-each side's p50 of the COMMIT round trip and of the probe, and the ratio cluster/one node with
-a bootstrap 95% interval (the machine's noise hits both sides alike); and where the time goes:
+Then the latency target, paired: a one-node store and two 3-master-cluster stores (a replica
+per master, a cluster each: one made as stores are now, one shard per master, and one with 4
+shards per master, as they were made before), all up at once, take turns (in rotating order)
+writing a batch of 128 pages of 4 KiB, ``--paired`` times each, then take turns probing their
+last batch as often; reported are each side's p50 of the COMMIT round trip and of the probe,
+and the ratios cluster/one node and one shard/4 shards per master with bootstrap 95% intervals
+(the machine's noise hits the sides alike); and where the time goes:
 the client's CPU on its calling thread per call, and the servers' CPU per write batch and per
 probe (INFO CPU over each phase less each server's idle rate, measured just before it: the one
 node; the cluster's masters, and its replicas, which share the same cores here).
@@ -217,18 +219,29 @@ def servers_cpu(clients: list[redis.Redis]) -> float:
     return total
 
 
+# the cluster sides of the paired run, each on a 3-master cluster of its own: a store as
+# created now (one shard per master), and one with the 4 shards per master stores had before
+CLUSTER_SIDES: dict[str, dict[str, Any]] = {"cluster": {}, "cluster 4/master": {"index_shards": 12}}
+
+
 def paired(server: str, work: Path, iterations: int) -> dict[str, Any]:
     """The latency target, paired; with it, where each side's time goes: the client's CPU
-    on its calling thread (p50 per call) and the servers' CPU per call (one node; the
-    cluster's masters and its replicas), from INFO CPU around each phase."""
+    on its calling thread (p50 per call) and the servers' CPU per call (one node; each
+    cluster's masters and its replicas), from INFO CPU around each phase. The sides take
+    turns round by round: one node, a cluster store as made by default, and one with 4
+    shards per master (what one shard per master is measured against)."""
     single = RedisProc(work / f"{server}-pair-single", appendonly=True, server=server)
-    cluster = ClusterProc(work / f"{server}-pair-cluster", server, masters=3, replicas=1)
+    clusters = {name: ClusterProc(work / f"{server}-pair-{i}", server, masters=3, replicas=1)
+                for i, name in enumerate(CLUSTER_SIDES)}
     stores = {}
-    servers = {"one node": {"server": [redis.Redis.from_url(single.url)]},
-               "cluster": {"masters": [n.client() for n in cluster.masters()],
-                           "replicas": [n.client() for n in cluster.nodes if n not in cluster.masters()]}}
+    servers: dict[str, dict[str, list[redis.Redis]]] = {"one node": {"server": [redis.Redis.from_url(single.url)]}}
+    for name, c in clusters.items():
+        servers[name] = {"masters": [n.client() for n in c.masters()],
+                         "replicas": [n.client() for n in c.nodes if n not in c.masters()]}
+    sides = [("one node", {"redis_url": single.url})] + [(name, {"redis_cluster": c.seeds[:3], **CLUSTER_SIDES[name]})
+                                                         for name, c in clusters.items()]
     try:
-        for name, where in (("one node", {"redis_url": single.url}), ("cluster", {"redis_cluster": cluster.seeds[:3]})):
+        for name, where in sides:
             path = tempfile.mkdtemp(dir=work)
             st = engine({**where, "path": path, "redis_prefix": "pair-" + uuid.uuid4().hex[:6], "capacity_gb": 1.0,
                          "o_direct": False, "io_threads": 4, "housekeeping_s": 3600, "lease_s": 4 * 3600})
@@ -266,7 +279,8 @@ def paired(server: str, work: Path, iterations: int) -> dict[str, Any]:
             time.sleep(1)
             t1, before = sample()
             for i in range(iterations):
-                for name in (order if i % 2 == 0 else order[::-1]):
+                turn = order[i % len(order):] + order[:i % len(order)]  # each side first as often
+                for name in (turn if i % 2 == 0 else turn[::-1]):
                     step(name)
             time.sleep(1)  # replication and AOF of the phase settle
             t2, after = sample()
@@ -288,18 +302,26 @@ def paired(server: str, work: Path, iterations: int) -> dict[str, Any]:
 
         phase("commit", write)  # writes, the two stores in turn
         phase("probe", probe)  # then probes of each store's last batch, in turn
-        out: dict[str, Any] = {"server": server, "iterations": iterations, "page_bytes": 4096, "batch": 128}
+        out: dict[str, Any] = {"server": server, "iterations": iterations, "page_bytes": 4096, "batch": 128,
+                               "shards": {name: st.space.attached().geometry.shards for name, (st, _, _) in stores.items()}}
         for what in ("commit", "probe"):
-            a, b = stores["one node"][2][what], stores["cluster"][2][what]
+            a, b, b4 = (stores[name][2][what] for name in ("one node", "cluster", "cluster 4/master"))
+            cpu_of = {name: stores[name][2][f"{what}_cpu"] for name in stores}
             out[what] = {"one_node_p50": statistics.median(a), "cluster_p50": statistics.median(b),
                          "ratio": statistics.median(b) / statistics.median(a), "ratio_ci95": _bootstrap(a, b),
-                         "client_cpu_ms_p50": {name: statistics.median(stores[name][2][f"{what}_cpu"]) for name in stores},
+                         "cluster_4_per_master_p50": statistics.median(b4),
+                         "vs_4_per_master": statistics.median(b) / statistics.median(b4),
+                         "vs_4_per_master_ci95": _bootstrap(b4, b),
+                         "client_cpu_ms_p50": {name: statistics.median(v) for name, v in cpu_of.items()},
+                         "client_cpu_vs_4_per_master": statistics.median(cpu_of["cluster"]) / statistics.median(cpu_of["cluster 4/master"]),
+                         "client_cpu_vs_4_per_master_ci95": _bootstrap(cpu_of["cluster 4/master"], cpu_of["cluster"]),
                          "servers_cpu_ms_per_call": cpu[what]}
         return out
     finally:
         for st, _, _ in stores.values():
             st.close()
-        cluster.stop()
+        for c in clusters.values():
+            c.stop()
         single.stop()
 
 
@@ -409,6 +431,14 @@ def report(res: dict[str, Any]) -> str:
                 lines.append(f"#   CPU per {'write batch' if what == 'commit' else what}: client thread p50 one node {c['one node']:.3f} ms, cluster "
                              f"{c['cluster']:.3f} ms; servers (mean, idle rate taken out) one node {sv['one node server']:.3f} ms, cluster masters "
                              f"{sv['cluster masters']:.3f} ms, its replicas {sv['cluster replicas']:.3f} ms")
+            if "vs_4_per_master" in q:
+                c, sv = q["client_cpu_ms_p50"], q["servers_cpu_ms_per_call"]
+                ci, cc = q["vs_4_per_master_ci95"], q["client_cpu_vs_4_per_master_ci95"]
+                lines.append(f"#   against 4 shards per master ({p['shards']['cluster 4/master']} shards; this layout "
+                             f"{p['shards']['cluster']}): {what} p50 {q['cluster_4_per_master_p50']:.3f} ms, ratio "
+                             f"{q['vs_4_per_master']:.2f}x ({ci[0]:.2f}-{ci[1]:.2f}x); client thread CPU "
+                             f"{c['cluster 4/master']:.3f} ms, ratio {q['client_cpu_vs_4_per_master']:.2f}x ({cc[0]:.2f}-{cc[1]:.2f}x); "
+                             f"masters {sv['cluster 4/master masters']:.3f} ms, replicas {sv['cluster 4/master replicas']:.3f} ms")
     singles = {(r["server"], r["page_bytes"], r["batch"]): r for r in res["configs"] if r["topology"] == "1 node"}
     lines.append("# cluster / 1 node, client p50, from the table's rows (measured at different times, unpaired):")
     for r in res["configs"]:

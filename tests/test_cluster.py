@@ -1,5 +1,5 @@
 """The index on a real 3-master Redis/Valkey Cluster (each master with a replica), built by
-the test with CLUSTER MEET/ADDSLOTSRANGE/REPLICATE: shards spread over the masters, a
+the test with CLUSTER MEET/ADDSLOTSRANGE/REPLICATE: one shard per master, a
 batch is one pipelined request per master, redirects are followed, and a dead master
 costs only its own shards until its replica takes over. Every hit is checked byte for
 byte (``scaleout_kit``): 0 wrong pages in every test."""
@@ -20,8 +20,8 @@ from scaleout_kit import Workload, settle_and_check, shard_of_key
 
 from sglang_tierstore import TierStore
 from sglang_tierstore.config import TierStoreConfig
-from sglang_tierstore.errors import ConfigError
-from sglang_tierstore.index import RedisIndex
+from sglang_tierstore.errors import ConfigError, IndexUnavailable
+from sglang_tierstore.index import RedisIndex, spread_suffixes
 from sglang_tierstore.schema import shard_key
 from sglang_tierstore.space.library import LIBRARY
 
@@ -61,28 +61,41 @@ def hmget_calls(cluster: ClusterProc) -> dict[str, int]:
             for n in cluster.masters()}
 
 
-def test_shards_spread_over_the_masters_and_a_probe_is_one_hmget_per_shard(tmp_path: Path,
-                                                                            shared_cluster: ClusterProc) -> None:
+def test_one_shard_per_master_and_a_probe_is_one_hmget_per_master(tmp_path: Path, shared_cluster: ClusterProc) -> None:
+    """A store learns the masters from one seed and puts one shard on each: a probe of 128
+    keys is one HMGET per master. ``index_shards`` 6 puts two on each."""
+    masters = sorted(m.addr for m in shared_cluster.masters())
     with cluster_store(tmp_path, shared_cluster) as st:
         ns = st.namespace({"m": "spread"}, 4096)
-        a = st.space.attached()
-        assert a.geometry.shards == 12  # 4 x 3 masters, learned from one seed
-        owners = [shard_owner(shared_cluster, st, s) for s in range(12)]
-        assert sorted(owners.count(m.addr) for m in shared_cluster.masters()) == [4, 4, 4]
+        assert st.space.attached().geometry.shards == 3
+        assert sorted(shard_owner(shared_cluster, st, s) for s in range(3)) == masters
         w = Workload(st, ns)
         for _ in range(8):
             w.write()
         assert w.tally.stored == w.tally.written == 256
         before = hmget_calls(shared_cluster)
-        probe = w.keys[:128]
-        assert st.exists([(ns, probe)]) == [[True] * 128]
+        assert st.exists([(ns, w.keys[:128])]) == [[True] * 128]
         after = hmget_calls(shared_cluster)
-        touched: dict[str, int] = {}
-        for s in {shard_of_key(st, ns, k) for k in probe}:
-            touched[owners[s]] = touched.get(owners[s], 0) + 1
-        assert {m: after[m] - before[m] for m in after} == {m: touched.get(m, 0) for m in after}
+        assert {m: after[m] - before[m] for m in after} == dict.fromkeys(masters, 1)
         assert all(w.read()) and w.tally.wrong == 0 and not w.tally.errors
         assert settle_and_check(st) == []
+    with cluster_store(tmp_path, shared_cluster, index_shards=6) as st:
+        st.namespace({"m": "six"}, 4096)
+        owners = [shard_owner(shared_cluster, st, s) for s in range(st.space.attached().geometry.shards)]
+        assert sorted(owners) == sorted(masters * 2)
+
+
+def test_shards_follow_the_slot_map_not_equal_ranges() -> None:
+    """redis-cli --cluster create's split (0-5460, 5461-10922, 10923-16383) is not three equal
+    ranges: each shard still lands on its own master, and shard s on the s-th (modulo)."""
+    owners = ["a"] * 5461 + ["b"] * 5462 + ["c"] * 5461
+    for tag in (f"t{i}" for i in range(200)):
+        tags = spread_suffixes(tag, 6, owners)
+        assert [owners[key_slot(f"{tag}:{t}".encode())] for t in tags] == ["a", "b", "c", "a", "b", "c"]
+    single = ["a"] + [None] * 16383  # a master holding one slot (the rest unserved) still gets its shard
+    assert [single[key_slot(f"x:{t}".encode())] for t in spread_suffixes("x", 2, single)] == ["a", "a"]
+    with pytest.raises(IndexUnavailable):
+        spread_suffixes("x", 1, [None] * 16384)
 
 
 def test_a_slot_moved_under_traffic_is_followed_through_ask_and_moved(tmp_path: Path,
@@ -130,7 +143,7 @@ def test_a_killed_master_costs_only_its_shards_until_its_replica_takes_over(tmp_
         for m in c.masters():  # what was written has reached the replicas (asynchronous replication)
             m.client().execute_command("WAIT", 1, 2000)
         victim = c.masters()[0]
-        dead = {s for s in range(12) if shard_owner(c, st, s) == victim.addr}
+        dead = {s for s in range(st.space.attached().geometry.shards) if shard_owner(c, st, s) == victim.addr}
         victim.kill()
         t0 = time.monotonic()
         hits = w.read()

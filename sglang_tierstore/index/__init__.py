@@ -47,7 +47,7 @@ from sglang_tierstore.index.topology import (
     Target,
     Topology,
     Cluster,
-    masters_seen,
+    owners_seen,
     open_topology,
     spread_suffixes,
 )
@@ -132,10 +132,11 @@ class RedisIndex:
         """Whether the index is a Redis/Valkey Cluster (its keys spread over masters by slot)."""
         return isinstance(self._topology, Cluster)
 
-    def masters(self) -> int:
-        """How many masters serve the index now (a cluster's slot map is read first)."""
+    def slot_owners(self) -> list[Optional[str]]:
+        """Per slot, the name of the master serving it now (a cluster's slot map is read
+        first; one server serves every slot): where a new store's shards go."""
         self._check_open()
-        return masters_seen(self._topology)
+        return owners_seen(self._topology)
 
     # -- round trips ------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ connection to a primary that was demoted meanwhile (READONLY) is dropped (redis-
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 from urllib.parse import urlsplit
 
 import redis
@@ -78,6 +78,11 @@ class Topology:
     def masters(self) -> list[Node]:
         raise NotImplementedError
 
+    def slot_owners(self) -> list[Optional[str]]:
+        """Per slot (of 16384), the name of the master serving it in the map as it is (None:
+        none known). One server serves every slot."""
+        raise NotImplementedError
+
     def node_at(self, host: str, port: int) -> Node:
         """The node at an address a redirect named."""
         raise NotImplementedError
@@ -110,6 +115,9 @@ class _Single(Topology):
 
     def masters(self) -> list[Node]:
         return [self._node]
+
+    def slot_owners(self) -> list[Optional[str]]:
+        return [self._node.name] * SLOTS
 
     def node_at(self, host: str, port: int) -> Node:
         raise self._not_cluster()
@@ -156,6 +164,9 @@ class Cluster(Topology):
 
     def masters(self) -> list[Node]:
         return list({id(n): n for n in self._slots if n is not None}.values())
+
+    def slot_owners(self) -> list[Optional[str]]:
+        return [None if n is None else n.name for n in self._slots]
 
     def close(self) -> None:
         with self._lock:
@@ -274,23 +285,28 @@ def open_topology(target: Target, timeout_s: float, retry_s: float, clock: Calla
     return Cluster(target, make, clock)
 
 
-def masters_seen(topology: Topology) -> int:
-    """How many masters serve the index now (a cluster's map is read first)."""
+def owners_seen(topology: Topology) -> list[Optional[str]]:
+    """Per slot, the master serving it now (a cluster's map is read first)."""
     if isinstance(topology, Cluster):
         topology.refresh()
-    return len(topology.masters())
+    return topology.slot_owners()
 
 
-def spread_suffixes(tag: str, shards: int) -> list[str]:
+def spread_suffixes(tag: str, shards: int, owners: Sequence[Optional[str]]) -> list[str]:
     """A hash-tag suffix per shard (``s``, else ``s.j`` with the least ``j``) so that shard
-    ``s``'s tag ``{tag}:{suffix}`` hashes into the ``s``-th of ``shards`` equal slot ranges:
-    shards spread evenly over a cluster's masters however its slots are split into ranges
-    (CRC16 alone puts 3 shards on 3 masters all three only half the time)."""
+    ``s``'s tag ``{tag}:{suffix}`` hashes into a slot of the ``s``-th master (modulo their
+    number), masters taken in the order of their first slot in ``owners`` (per slot, the
+    master serving it: :func:`owners_seen`). So ``shards`` equal to the masters puts one on
+    each, whatever ranges the slots are split into (CRC16 alone puts 3 shards on 3 masters
+    all three only half the time; equal ranges miss by a slot where ``redis-cli --cluster
+    create`` splits them)."""
+    masters = list(dict.fromkeys(o for o in owners if o is not None))
+    if not masters:
+        raise IndexUnavailable("no master serves any slot of the index: the store's shards cannot be placed")
     out = []
     for s in range(shards):
-        lo, hi = s * SLOTS // shards, (s + 1) * SLOTS // shards
-        j = 0
-        while not lo <= key_slot(f"{tag}:{s if j == 0 else f'{s}.{j}'}".encode()) < hi:
-            j += 1
+        target, j = masters[s % len(masters)], 0
+        while owners[key_slot(f"{tag}:{s if j == 0 else f'{s}.{j}'}".encode())] != target:
+            j += 1  # a master holding a single slot takes ~16384 tries: milliseconds, once per store
         out.append(str(s) if j == 0 else f"{s}.{j}")
     return out

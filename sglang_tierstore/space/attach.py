@@ -89,7 +89,7 @@ MARKER = "store.json"
 LOCK_TTL_MS = 5_000  # an attach lock whose holder died or stalled lapses after this
 RENEW_S = 1.0  # how often a holder renews it while it attaches
 HOLD_MAX_S = 60.0  # an attach stuck longer (a hung filesystem) stops renewing: the lock lapses for the others
-SHARDS_PER_MASTER = 4  # a cluster store's default shards per master: load spreads, a reshard moves a quarter
+SHARDS_PER_MASTER = 1  # a store's default shards per master: a batch is one call per master (docs/design.md)
 _SAFE = re.compile(r"^[A-Za-z0-9_.-]+$")
 _LEGACY_KINDS = ("e", "c", "free", "pend", "lease", "lru", "bad")
 _LEGACY_DIR = re.compile(r"^c\d+$")
@@ -352,8 +352,8 @@ def attach(index: RedisIndex, prefix: str, paths: Sequence[str], capacity: int, 
     ``first``: this process's first attach (stores of other formats and the layout before
     regions are dropped then). ``largest_page``: the largest page the process knows it
     will store; None: adopt only (NoStoreYet when there is no store to adopt). Creating
-    a store: ``capacity`` and ``shards`` (None: 1 on one server, 4 x the masters of a
-    cluster; ConfigError if ``capacity`` cannot hold pages that large). IndexUnavailable (IndexRefusesWrites) if the index cannot do what is
+    a store: ``capacity`` and ``shards`` (None: one per master, so 1 on one server;
+    ConfigError if ``capacity`` cannot hold pages that large). IndexUnavailable (IndexRefusesWrites) if the index cannot do what is
     needed; StoreDirsUnavailable if the directories cannot take what must be written
     (a full disk: ``perms.check_dirs`` has shown them writable). ``node``: this node's
     name (``node_name``), in the lock's token and the directories' reports."""
@@ -452,11 +452,12 @@ def _attach_locked(index: RedisIndex, prefix: str, paths: Sequence[str], capacit
             rb = region_bytes_for(capacity, largest_page)
         except ValueError as e:
             raise ConfigError(f"tierstore config key 'capacity_gb': {e}") from None
+        owners = index.slot_owners()
         if shards is None:
-            shards = SHARDS_PER_MASTER * index.masters() if index.clustered else 1
+            shards = SHARDS_PER_MASTER * len({o for o in owners if o is not None})
         shards = max(1, min(shards, capacity // rb))  # every shard gets a region at least
         meta = {"format": str(FORMAT), "region_bytes": str(rb), "shards": str(shards), "capacity": str(capacity),
-                "shard_tags": ",".join(spread_suffixes(store_tag(prefix, store_id), shards)),
+                "shard_tags": ",".join(spread_suffixes(store_tag(prefix, store_id), shards, owners)),
                 "regions_per_file": str(regions_per_file_for(capacity, rb, len(paths))), "created": repr(mod_time.time())}
         meta = index.hsetnx_all(meta_key(store_tag(prefix, store_id), "meta"), meta)
     tag = store_tag(prefix, store_id)
