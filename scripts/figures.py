@@ -247,6 +247,16 @@ def paired_cluster(server: str, what: str) -> Callable[[], str]:
     return value
 
 
+def paired_vs_4_per_master(server: str, what: str, of: str) -> Callable[[], str]:
+    """One shard per master against 4, in the same paired run: the cluster's wall p50
+    (``of="wall"``) or its client thread's CPU (``of="cpu"``), ratio with its 95% interval."""
+    def value() -> str:
+        p = paired_run(server, what)
+        key = "vs_4_per_master" if of == "wall" else "client_cpu_vs_4_per_master"
+        return f"{p[key]:.2f}x ({p[key + '_ci95'][0]:.2f}-{p[key + '_ci95'][1]:.2f})"
+    return value
+
+
 def paired_cpu(server: str, what: str, side: str) -> Callable[[], str]:
     """Where the paired comparison's time went: the client thread's CPU per call (p50,
     ``client one node`` or ``client cluster``) or the servers' per call (``one node server``,
@@ -746,6 +756,11 @@ FIGURES: dict[str, Callable[[], str]] = {
     "cluster.hits_back.valkey": drill("valkey-server", "hits_back"),
     "cluster.lost.redis": drill("redis-server", "lost"),
     "cluster.paired_probe.redis": paired_cluster("redis-server", "probe"),
+    "cluster.vs4.probe.wall.redis": paired_vs_4_per_master("redis-server", "probe", "wall"),
+    "cluster.vs4.probe.cpu.redis": paired_vs_4_per_master("redis-server", "probe", "cpu"),
+    "cluster.vs4.commit.wall.redis": paired_vs_4_per_master("redis-server", "commit", "wall"),
+    "cluster.vs4.commit.cpu.redis": paired_vs_4_per_master("redis-server", "commit", "cpu"),
+    "cluster.vs4.commit.masters.redis": paired_cpu("redis-server", "commit", "cluster 4/master masters"),
     "cluster.paired_commit.redis": paired_cluster("redis-server", "commit"),
     "loadtest.tierstore_p50": loadtest("l2+tierstore", "p50"),
     "loadtest.no_hicache_p50": loadtest("no-hicache", "p50"),
