@@ -27,6 +27,12 @@ the client's CPU on its calling thread per call, and the servers' CPU per write 
 probe (INFO CPU over each phase less each server's idle rate, measured just before it: the one
 node; the cluster's masters, and its replicas, which share the same cores here).
 
+Last in the paired run, the regime of a real fleet, where the network and not these 2 cores
+sets the time: the same three sides, new stores, every server reached through a relay of
+``tierstore_kit.relay`` that holds each reply ``--delay-ms`` (5 ms; the clusters' masters
+announce their relays' ports); wall p50 of the COMMIT round trip and of the probe, and the
+ratios with their intervals (one round trip over every master at once costs one delay).
+
 Then, on each cluster, a failover drill: 4 KiB pages in batches of 16, a master SIGKILLed,
 the surviving shards' hit rate right after, the time until every page hits again, and the
 pages lost (committed but not yet replicated). Results are stamped with the commit, the
@@ -51,7 +57,8 @@ from typing import Any, Callable, Iterator
 import redis
 from redis.crc import key_slot
 from tierstore_kit.clusters import ClusterProc
-from tierstore_kit.servers import RedisProc
+from tierstore_kit.relay import Relays
+from tierstore_kit.servers import RedisProc, wait_for
 from tierstore_kit.engine import engine, housekeep
 
 from tierstore_kit.provenance import header, stamp
@@ -224,7 +231,86 @@ def servers_cpu(clients: list[redis.Redis]) -> float:
 CLUSTER_SIDES: dict[str, dict[str, Any]] = {"cluster": {}, "cluster 4/master": {"index_shards": 12}}
 
 
-def paired(server: str, work: Path, iterations: int) -> dict[str, Any]:
+BUF = [[memoryview(bytearray(os.urandom(4096)))] for _ in range(128)]
+
+
+def instrument(st: Any, ns: Any, got: dict[str, list[float]]) -> None:
+    """Record the wall time and the calling thread's CPU of each round trip of ``st`` that
+    carries a COMMIT (``got["commit"]``, ``got["commit_cpu"]``, ms), after a warm-up."""
+    real = st.index.calls_each
+
+    def timed(calls: Any) -> Any:
+        t0, c0 = time.perf_counter(), time.thread_time()
+        out = real(calls)
+        if any(c[0] == "commit" for c in calls):
+            got["commit"].append((time.perf_counter() - t0) * 1e3)
+            got["commit_cpu"].append((time.thread_time() - c0) * 1e3)
+        return out
+
+    st.index.calls_each = timed
+    for _ in range(5):  # warm: stock leased, files made, the library loaded on every master
+        st.write(ns, [uuid.uuid4().hex * 2 for _ in range(128)], BUF, False)
+    got["commit"].clear()
+    got["commit_cpu"].clear()
+
+
+def behind_relays(sides: dict[str, Any], single: RedisProc, clusters: dict[str, ClusterProc], work: Path,
+                  iterations: int, delay_s: float) -> dict[str, Any]:
+    """The same sides, new stores, each server reached through a relay holding every reply
+    for ``delay_s`` (a cluster's masters announce their relays' ports, so its slot map
+    names them): the regime of a fleet, where the network sets the time and a round trip
+    over every master at once costs one delay. Wall p50 of the COMMIT round trip and of the
+    probe per side, and the ratios with their intervals."""
+    masters = {name: c.masters() for name, c in clusters.items()}
+    targets = [single.port] + [m.port for ms in masters.values() for m in ms]
+    with Relays(targets, delay_s) as relays:
+        port = dict(zip(targets, relays.ports))
+        for ms in masters.values():
+            for m in ms:
+                m.client().config_set("cluster-announce-bus-port", m.port + 10000)  # the bus goes direct
+                m.client().config_set("cluster-announce-port", port[m.port])
+        for ms in masters.values():  # every master's map names the relays
+            want = sorted(port[m.port] for m in ms)
+            for m in ms:
+                wait_for(lambda m=m, want=want: sorted(int(r[2][1]) for r in m.client().execute_command("CLUSTER", "SLOTS"))
+                         == want, 30, "the relays' ports in the slot map")
+        where = {"one node": {"redis_url": f"redis://127.0.0.1:{port[single.port]}/0"}}
+        where |= {name: {"redis_cluster": [f"127.0.0.1:{port[m.port]}" for m in masters[name]], **sides[name]}
+                  for name in clusters}
+        stores = {}
+        try:
+            for name, w in where.items():
+                st = engine({**w, "path": tempfile.mkdtemp(dir=work), "redis_prefix": "relay-" + uuid.uuid4().hex[:6],
+                             "capacity_gb": 1.0, "o_direct": False, "io_threads": 4, "housekeeping_s": 3600,
+                             "lease_s": 4 * 3600, "redis_timeout_s": 10 * delay_s + 1})
+                stores[name] = (st, st.namespace({"bench": "relay"}, 4096), {"commit": [], "commit_cpu": [], "probe": []})
+                instrument(*stores[name])
+            order = list(stores)
+            for i in range(iterations):
+                for name in order[i % len(order):] + order[:i % len(order)]:
+                    st, ns, got = stores[name]
+                    keys = [uuid.uuid4().hex * 2 for _ in range(128)]
+                    st.write(ns, keys, BUF, False)
+                    t0 = time.perf_counter()
+                    st.exists([(ns, keys)])
+                    got["probe"].append((time.perf_counter() - t0) * 1e3)
+            out: dict[str, Any] = {"delay_ms": delay_s * 1e3, "iterations": iterations}
+            for what in ("commit", "probe"):
+                a, b, b4 = (stores[name][2][what] for name in ("one node", "cluster", "cluster 4/master"))
+                out[what] = {"p50": {name: statistics.median(got[what]) for name, (_, _, got) in stores.items()},
+                             "ratio": statistics.median(b) / statistics.median(a), "ratio_ci95": _bootstrap(a, b),
+                             "vs_4_per_master": statistics.median(b) / statistics.median(b4),
+                             "vs_4_per_master_ci95": _bootstrap(b4, b)}
+            return out
+        finally:
+            for st, _, _ in stores.values():
+                st.close()
+            for ms in masters.values():
+                for m in ms:
+                    m.client().config_set("cluster-announce-port", 0)  # (0: the node's own port again)
+
+
+def paired(server: str, work: Path, iterations: int, delay_s: float) -> dict[str, Any]:
     """The latency target, paired; with it, where each side's time goes: the client's CPU
     on its calling thread (p50 per call) and the servers' CPU per call (one node; each
     cluster's masters and its replicas), from INFO CPU around each phase. The sides take
@@ -247,23 +333,8 @@ def paired(server: str, work: Path, iterations: int) -> dict[str, Any]:
                          "o_direct": False, "io_threads": 4, "housekeeping_s": 3600, "lease_s": 4 * 3600})
             stores[name] = (st, st.namespace({"bench": "pair"}, 4096), {"commit": [], "probe": [], "commit_cpu": [],
                                                                       "probe_cpu": []})
-        buf = [[memoryview(bytearray(os.urandom(4096)))] for _ in range(128)]
-        for name, (st, ns, got) in stores.items():
-            real = st.index.calls_each
-
-            def timed(calls: Any, real: Any = real, got: dict[str, list[float]] = got) -> Any:
-                t0, c0 = time.perf_counter(), time.thread_time()
-                out = real(calls)
-                if any(c[0] == "commit" for c in calls):
-                    got["commit"].append((time.perf_counter() - t0) * 1e3)
-                    got["commit_cpu"].append((time.thread_time() - c0) * 1e3)
-                return out
-
-            st.index.calls_each = timed  # type: ignore[method-assign]
-            for _ in range(5):  # warm
-                st.write(ns, [uuid.uuid4().hex * 2 for _ in range(128)], buf, False)
-            got["commit"].clear()
-            got["commit_cpu"].clear()
+        for st, ns, got in stores.values():
+            instrument(st, ns, got)
         order = list(stores)
         last: dict[str, list[str]] = {}
         cpu: dict[str, dict[str, float]] = {"commit": {}, "probe": {}}
@@ -291,7 +362,7 @@ def paired(server: str, work: Path, iterations: int) -> dict[str, Any]:
         def write(name: str) -> None:
             st, ns, _ = stores[name]
             last[name] = [uuid.uuid4().hex * 2 for _ in range(128)]
-            st.write(ns, last[name], buf, False)
+            st.write(ns, last[name], BUF, False)
 
         def probe(name: str) -> None:
             st, ns, got = stores[name]
@@ -316,6 +387,11 @@ def paired(server: str, work: Path, iterations: int) -> dict[str, Any]:
                          "client_cpu_vs_4_per_master": statistics.median(cpu_of["cluster"]) / statistics.median(cpu_of["cluster 4/master"]),
                          "client_cpu_vs_4_per_master_ci95": _bootstrap(cpu_of["cluster 4/master"], cpu_of["cluster"]),
                          "servers_cpu_ms_per_call": cpu[what]}
+        for st, _, _ in stores.values():
+            st.close()
+        stores.clear()
+        if delay_s:
+            out["relayed"] = behind_relays(CLUSTER_SIDES, single, clusters, work, iterations, delay_s)
         return out
     finally:
         for st, _, _ in stores.values():
@@ -359,6 +435,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="4 KiB pages, batches of 16, 5 rounds, one server (a smoke run)")
     ap.add_argument("--rounds", type=int, default=40, help="rounds per configuration (fewer for large batches of large pages)")
     ap.add_argument("--paired", type=int, default=150, help="rounds of the paired latency comparison (0: none)")
+    ap.add_argument("--delay-ms", type=float, default=5.0, help="the relays' reply delay in the paired run's last part "
+                    "(0: none)")
     ap.add_argument("--only-paired", action="store_true", help="run only the paired comparison (and keep the other results)")
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-index-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
@@ -373,7 +451,7 @@ def main() -> int:
     try:
         for server in servers:
             if a.paired:
-                results["paired"].append(paired(server, work, 10 if a.quick else a.paired))
+                results["paired"].append(paired(server, work, 10 if a.quick else a.paired, a.delay_ms / 1e3))
             if a.only_paired:
                 continue
             for topo, cfg, masters, cluster in topologies(server, work):
@@ -439,6 +517,15 @@ def report(res: dict[str, Any]) -> str:
                              f"{q['vs_4_per_master']:.2f}x ({ci[0]:.2f}-{ci[1]:.2f}x); client thread CPU "
                              f"{c['cluster 4/master']:.3f} ms, ratio {q['client_cpu_vs_4_per_master']:.2f}x ({cc[0]:.2f}-{cc[1]:.2f}x); "
                              f"masters {sv['cluster 4/master masters']:.3f} ms, replicas {sv['cluster 4/master replicas']:.3f} ms")
+        if "relayed" in p:
+            rl = p["relayed"]
+            for what in ("probe", "commit"):
+                q = rl[what]
+                lines.append(f"# behind relays holding each reply {rl['delay_ms']:g} ms, {p['server']}, {rl['iterations']} rounds: "
+                             f"{what} p50 one node {q['p50']['one node']:.2f} ms, cluster {q['p50']['cluster']:.2f} ms "
+                             f"({q['ratio']:.2f}x, {q['ratio_ci95'][0]:.2f}-{q['ratio_ci95'][1]:.2f}x; target 1.2x), 4 shards "
+                             f"per master {q['p50']['cluster 4/master']:.2f} ms (cluster against it {q['vs_4_per_master']:.2f}x, "
+                             f"{q['vs_4_per_master_ci95'][0]:.2f}-{q['vs_4_per_master_ci95'][1]:.2f}x)")
     singles = {(r["server"], r["page_bytes"], r["batch"]): r for r in res["configs"] if r["topology"] == "1 node"}
     lines.append("# cluster / 1 node, client p50, from the table's rows (measured at different times, unpaired):")
     for r in res["configs"]:

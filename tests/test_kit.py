@@ -116,3 +116,34 @@ def test_every_script_explains_itself_without_a_test_dependency() -> None:
     out = subprocess.run([sys.executable, "-c", BLOCK_AND_HELP.format(blocked=TEST_ONLY), *scripts], cwd="/",
                          capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+
+
+def test_a_relay_holds_each_reply_for_its_delay_and_passes_every_byte(tmp_path: Path) -> None:
+    """What bench_index's fleet regime stands on: a round trip through a relay takes at least
+    its delay, a pipeline of 100 commands one delay (not 100), and large values come back whole."""
+    import time
+
+    import redis
+
+    from tierstore_kit.relay import Relays
+    from tierstore_kit.servers import RedisProc
+
+    server = RedisProc(tmp_path / "redis")
+    try:
+        with Relays([server.port], 0.05) as relays:
+            c = redis.Redis(port=relays.ports[0])
+            c.ping()
+            value = bytes(range(256)) * 4096  # 1 MiB: several chunks each way
+            t0 = time.monotonic()
+            c.set("k", value)
+            assert c.get("k") == value
+            assert time.monotonic() - t0 >= 2 * 0.05
+            pipe = c.pipeline(transaction=False)
+            for _ in range(100):
+                pipe.incr("n")
+            t0 = time.monotonic()
+            assert pipe.execute()[-1] == 100
+            assert 0.05 <= time.monotonic() - t0 < 100 * 0.05 / 4
+            c.close()
+    finally:
+        server.stop()
