@@ -257,6 +257,19 @@ def paired_vs_4_per_master(server: str, what: str, of: str) -> Callable[[], str]
     return value
 
 
+def relayed(server: str, what: str, key: str) -> Callable[[], str]:
+    """Behind the relays that hold each reply a fixed delay: the cluster against one node
+    (``key="ratio"``) or against 4 shards per master (``"vs_4_per_master"``), with its interval."""
+    def value() -> str:
+        q = next(p for p in load("bench_index/bench_index.json")["paired"] if p["server"] == server)["relayed"][what]
+        return f"{q[key]:.2f}x ({q[key + '_ci95'][0]:.2f}-{q[key + '_ci95'][1]:.2f})"
+    return value
+
+
+def relay_delay() -> str:
+    return f"{load('bench_index/bench_index.json')['paired'][0]['relayed']['delay_ms']:g} ms"
+
+
 def paired_cpu(server: str, what: str, side: str) -> Callable[[], str]:
     """Where the paired comparison's time went: the client thread's CPU per call (p50,
     ``client one node`` or ``client cluster``) or the servers' per call (``one node server``,
@@ -756,6 +769,12 @@ FIGURES: dict[str, Callable[[], str]] = {
     "cluster.hits_back.valkey": drill("valkey-server", "hits_back"),
     "cluster.lost.redis": drill("redis-server", "lost"),
     "cluster.paired_probe.redis": paired_cluster("redis-server", "probe"),
+    "cluster.relay.delay": relay_delay,
+    "cluster.relay.probe.redis": relayed("redis-server", "probe", "ratio"),
+    "cluster.relay.commit.redis": relayed("redis-server", "commit", "ratio"),
+    "cluster.relay.probe.valkey": relayed("valkey-server", "probe", "ratio"),
+    "cluster.relay.commit.valkey": relayed("valkey-server", "commit", "ratio"),
+    "cluster.relay.commit.vs4.redis": relayed("redis-server", "commit", "vs_4_per_master"),
     "cluster.vs4.probe.wall.redis": paired_vs_4_per_master("redis-server", "probe", "wall"),
     "cluster.vs4.probe.cpu.redis": paired_vs_4_per_master("redis-server", "probe", "cpu"),
     "cluster.vs4.commit.wall.redis": paired_vs_4_per_master("redis-server", "commit", "wall"),
