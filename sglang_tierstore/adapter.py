@@ -31,6 +31,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
+from sglang_tierstore import heads
 from sglang_tierstore.config import TierStoreConfig, describe_target
 from sglang_tierstore.embedded import embedded_running, ensure_embedded_redis, redis_dir, stop_embedded_redis
 from sglang_tierstore.errors import EmbeddedNotStarted, IndexRefusesUser, StoreDetached, StoreUnavailable, TierStoreError
@@ -56,6 +57,25 @@ class _Pool:
     host_pool: Any
     ns: Namespace
     plan: Optional[PagePlan]  # None: the pool's layout needs the copy path
+    split: Optional[int] = None  # stored as this many head slices, shared across TP sizes (heads.py)
+
+    def keys(self, keys: List[str], tp_rank: int) -> List[str]:
+        """The store's keys for these pages: theirs, or their slices' (page by page)."""
+        return keys if self.split is None else heads.slice_keys(keys, tp_rank, self.split)
+
+    def pages(self, regions: List[List[memoryview]]) -> List[List[memoryview]]:
+        """The store's pages for these regions: the pages, or their slices."""
+        return regions if self.split is None else heads.slice_pages(regions, self.split)
+
+    def aligned(self) -> bool:
+        """Whether the store's pages of this pool may move with O_DIRECT."""
+        if self.plan is None:
+            return False
+        return self.plan.aligned if self.split is None else heads.slice_aligned(self.plan.aligned, self.plan.region_sizes, self.split)
+
+    def per_page(self, flags: List[bool]) -> List[bool]:
+        """The store's answer per key back to one per page (a page: every slice)."""
+        return flags if self.split is None else heads.whole_pages(flags, self.split)
 
 
 def _guarded(fallback: Callable[..., Any]) -> Callable[[F], F]:
@@ -203,13 +223,34 @@ class TierStoreBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
             logger.info("tierstore: pool %s uses the copy path (%s)", name, e)
             plan = None
             page_bytes = host_pool.get_dummy_flat_data_page().numel() * host_pool.dtype.itemsize
-        ns = self.store.namespace(self._fingerprint(name, host_pool, plan), page_bytes)
+        split = self._split(name, host_pool, plan)
+        fields = self._fingerprint(name, host_pool, plan, split)
+        ns = self.store.namespace(fields, page_bytes // (split or 1))
         with self._lock:
-            self._pools[name] = _Pool(host_pool, ns, plan)
-        logger.info("tierstore: pool %s -> namespace %s (%s)", name, ns.ns, ns.description)
+            self._pools[name] = _Pool(host_pool, ns, plan, split)
+        logger.info("tierstore: pool %s -> namespace %s (%s)%s", name, ns.ns, ns.description,
+                    "" if split is None else f", {split} head slice(s) a page, shared by TP sizes dividing {fields['tp_lcm']}")
 
-    def _fingerprint(self, name: str, pool: Any, plan: Optional[PagePlan]) -> dict[str, object]:
-        """Everything that makes this pool's page bytes incompatible with another's."""
+    def _split(self, name: str, pool: Any, plan: Optional[PagePlan]) -> Optional[int]:
+        """How many head slices a page of this pool is stored as, to share it with instances
+        of other TP sizes (``tp_lcm_size`` in the storage config; heads.py), or None: the
+        pool's pages are this rank's own."""
+        c = self.storage_config
+        lcm = getattr(c, "tp_lcm_size", None)
+        if not lcm or name != KV or c.is_mla_model:
+            return None  # (MLA's KV is the same on every rank already: one namespace for all)
+        if plan is None:
+            s, why = None, "its layout takes the copy path"
+        else:
+            s, why = heads.split_factor(getattr(pool, "layout", ""), plan.page_shape, plan.region_sizes, c.tp_size, lcm)
+        if s is None:
+            logger.warning("tierstore: pool %s is not shared across TP sizes (tp_lcm_size %s): %s", name, lcm, why)
+        return s
+
+    def _fingerprint(self, name: str, pool: Any, plan: Optional[PagePlan], split: Optional[int] = None) -> dict[str, object]:
+        """Everything that makes this pool's page bytes incompatible with another's. Head
+        slices (``split``) leave the TP rank and size out: a slice is the same bytes at every
+        TP size dividing ``tp_lcm_size``, which goes in instead."""
         c = self.storage_config
         shared_mla = c.is_mla_model and name == KV  # MLA KV is identical on every TP rank
         fields: dict[str, object] = {
@@ -228,6 +269,10 @@ class TierStoreBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
             "tp": f"*/{c.tp_size}" if shared_mla and c.dcp_size > 1 else "*" if shared_mla else f"{c.tp_rank}/{c.tp_size}",
             "split_heads": c.should_split_heads,
         }
+        if split is not None and plan is not None:
+            del fields["tp"], fields["split_heads"]
+            fields.update(shape=heads.slice_shape(plan.page_shape, split),
+                          regions=tuple(r // split for r in plan.region_sizes), tp_lcm=c.tp_lcm_size)
         return fields
 
     def namespace(self, pool: str = KV) -> Namespace:
@@ -258,7 +303,9 @@ class TierStoreBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
     def _read_into_pool(self, pool: _Pool, keys: List[str], host_indices: torch.Tensor) -> List[bool]:
         starts = self._host_pages(pool, keys, host_indices)
         if pool.plan is not None:
-            return self.store.read(pool.ns, keys, pool.plan.regions(starts), pool.plan.aligned)
+            tp = self.storage_config.tp_rank
+            return pool.per_page(self.store.read(pool.ns, pool.keys(keys, tp), pool.pages(pool.plan.regions(starts)),
+                                                 pool.aligned()))
         pages = [pool.host_pool.get_dummy_flat_data_page() for _ in keys]
         ok = self.store.read(pool.ns, keys, [[tensor_bytes(p)] for p in pages], False)
         for start, page, hit in zip(starts, pages, ok):
@@ -269,7 +316,9 @@ class TierStoreBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
     def _write_from_pool(self, pool: _Pool, keys: List[str], host_indices: torch.Tensor) -> List[bool]:
         starts = self._host_pages(pool, keys, host_indices)
         if pool.plan is not None:
-            return self.store.write(pool.ns, keys, pool.plan.regions(starts), pool.plan.aligned)
+            tp = self.storage_config.tp_rank
+            return pool.per_page(self.store.write(pool.ns, pool.keys(keys, tp), pool.pages(pool.plan.regions(starts)),
+                                                  pool.aligned()))
         pages = [pool.host_pool.get_data_page(s, flat=True).contiguous() for s in starts]
         return self.store.write(pool.ns, keys, [[tensor_bytes(p)] for p in pages], False)
 
@@ -288,8 +337,9 @@ class TierStoreBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
     def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
         """How many leading keys have a page in the KV pool's namespace: one HMGET round trip.
         A page counted may still miss at the read (evicted meanwhile, rotten, forged)."""
-        (found,) = self.store.exists([(self._pool(KV).ns, keys)])
-        hits = _leading(found)
+        pool = self._pool(KV)
+        (found,) = self.store.exists([(pool.ns, pool.keys(keys, self.storage_config.tp_rank))])
+        hits = _leading(pool.per_page(found))
         self.store.metrics.pages("probe", "hit", hits)
         self.store.metrics.pages("probe", "miss", len(keys) - hits)
         return hits
@@ -301,7 +351,7 @@ class TierStoreBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
         t0 = time.perf_counter()
         pool = self._pool(KV)
         ok = self._read_into_pool(pool, keys, host_indices)
-        self._record("prefetch", ok, pool.ns.page_bytes, t0)
+        self._record("prefetch", ok, pool.ns.page_bytes * (pool.split or 1), t0)
         return ok
 
     @_guarded(_no_pages)
@@ -311,7 +361,7 @@ class TierStoreBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
         t0 = time.perf_counter()
         pool = self._pool(KV)
         ok = self._write_from_pool(pool, keys, host_indices)
-        self._record("backup", ok, pool.ns.page_bytes, t0)
+        self._record("backup", ok, pool.ns.page_bytes * (pool.split or 1), t0)
         return ok
 
     # -- v2: every pool, with hit policies ------------------------------------------
@@ -327,12 +377,13 @@ class TierStoreBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
         pool's verdict by its hit policy (ALL_PAGES, TRAILING_PAGES, BLOCK_GROUPS), in one
         round trip for every pool. Never raises: trouble is an empty result."""
         transfers = list(pool_transfers or [])
-        groups = [(self._pool(KV).ns, keys)]
+        kv = self._pool(KV)
+        groups = [(kv.ns, kv.keys(keys, self.storage_config.tp_rank))]
         for t in transfers:
             pool_keys = t.keys if t.hit_policy == PoolHitPolicy.BLOCK_GROUPS and t.keys is not None else keys
             groups.append((self._pool(str(t.name)).ns, pool_keys))
         found = self.store.exists(groups)
-        kv_pages = _leading(found[0])
+        kv_pages = _leading(kv.per_page(found[0]))
         self.store.metrics.pages("probe", "hit", kv_pages)
         self.store.metrics.pages("probe", "miss", len(keys) - kv_pages)
         hit_count: dict[str, int] = {KV: kv_pages} if kv_pages else {}
@@ -404,7 +455,8 @@ class TierStoreBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
         """Legacy read into flat page tensors (given, or fresh ones): the tensor per hit, None per miss."""
         pool = self._pool(KV)
         pages = list(target_locations) if target_locations is not None else [pool.host_pool.get_dummy_flat_data_page() for _ in keys]
-        ok = self.store.read(pool.ns, keys, [[tensor_bytes(p)] for p in pages], False)
+        ok = pool.per_page(self.store.read(pool.ns, pool.keys(keys, self.storage_config.tp_rank),
+                                           pool.pages([[tensor_bytes(p)] for p in pages]), False))
         return [p if hit else None for p, hit in zip(pages, ok)]
 
     @_guarded(lambda keys, *a, **k: False)
@@ -413,7 +465,9 @@ class TierStoreBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
         if values is None or len(values) != len(keys):
             raise ValueError(f"batch_set needs one page tensor per key: {len(keys)} keys")
         pages = [v.contiguous() for v in values]
-        return all(self.store.write(self._pool(KV).ns, keys, [[tensor_bytes(p)] for p in pages], False))
+        pool = self._pool(KV)
+        return all(self.store.write(pool.ns, pool.keys(keys, self.storage_config.tp_rank),
+                                    pool.pages([[tensor_bytes(p)] for p in pages]), False))
 
     def get(self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None) -> Optional[torch.Tensor]:
         return self.batch_get([key], None if target_location is None else [target_location])[0]

@@ -44,11 +44,15 @@ def fill(pool: Any, seed: int) -> None:
 
 
 def storage_config(extra: dict[str, Any], mla: bool = False, tp_rank: int = 0, tp_size: int = 1,
-                   model: Optional[str] = "test/model", metrics: bool = False) -> HiCacheStorageConfig:
+                   model: Optional[str] = "test/model", metrics: bool = False, tp_lcm_size: Optional[int] = None,
+                   layout: str = "page_first") -> HiCacheStorageConfig:
+    """The config SGLang's cache controller builds; with ``tp_lcm_size`` as it does from the
+    extra config (``should_split_heads``: page_head, MHA, a TP size below the lcm)."""
     return HiCacheStorageConfig(
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
         is_mla_model=mla, enable_storage_metrics=metrics, is_page_first_layout=True,
-        model_name=model, extra_config=dict(extra),
+        model_name=model, extra_config=dict(extra), tp_lcm_size=tp_lcm_size,
+        should_split_heads=bool(tp_lcm_size) and not mla and layout == "page_head" and tp_lcm_size > tp_size,
     )
 
 
