@@ -36,6 +36,25 @@ def mla_pool(layout: str, page_size: int = 4, layers: int = 3, kv_lora_rank: int
     )
 
 
+def tp_pools(layout: str, heads: int, head_dim: int, page_size: int = 16, layers: int = 2, tokens: int = 128,
+             seed: int = 7) -> tuple[MHATokenToKVPoolHost, list[MHATokenToKVPoolHost]]:
+    """A TP 1 host pool of ``heads`` KV heads, filled (``seed``), and the two TP 2 ranks'
+    pools: in ``page_head``, each holds its half of the heads of the same pages (what each
+    rank of a TP 2 instance holds of what a TP 1 instance computed); in other layouts,
+    bytes of their own."""
+    def pool(n: int) -> MHATokenToKVPoolHost:
+        return mha_pool(layout, page_size=page_size, layers=layers, heads=n, head_dim=head_dim, tokens=tokens)
+
+    whole, halves = pool(heads), [pool(heads // 2) for _ in range(2)]
+    fill(whole, seed)
+    for r, h in enumerate(halves):
+        if layout == "page_head":  # (2, pages, heads, page_size, layers, head_dim)
+            h.kv_buffer.copy_(whole.kv_buffer[:, :, r * heads // 2:(r + 1) * heads // 2])
+        else:
+            fill(h, seed + 1 + r)
+    return whole, halves
+
+
 def fill(pool: Any, seed: int) -> None:
     """Random bytes in the whole host buffer (deterministic per seed)."""
     g = torch.Generator().manual_seed(seed)
