@@ -181,6 +181,51 @@ class TierStoreTree(UnifiedRadixCacheStorageFixtures, unittest.TestCase):
         self.assertEqual(stored, [0, pages])
 
 
+    def test_a_decode_offload_stores_the_answer_a_later_prefill_reads(self) -> None:
+        """PD disaggregation below the server (SGLang's PD path cannot run on CPU: the prefill
+        side refuses the ``fake`` transfer backend): a prefill tree backs a 2-page prompt up to
+        L3; a decode node's ``DecodeKVCacheOffloadManager`` (``--disaggregation-decode-enable-
+        offload-kvcache``), on the same store through its own HiCache controller, offloads the
+        pages of the answer it generated; a fresh tree then prefetches prompt and answer from
+        L3, every KV byte the prefill's or the decode's."""
+        if self.cfg.has_swa:
+            self.skipTest("the full-attention offload path; hybrid SWA takes the same calls through v2")
+        from sglang.srt.disaggregation.decode_kvcache_offload_manager import DecodeKVCacheOffloadManager
+
+        storage_dir = self._make_storage_dir()
+        ps = self.cfg.page_size
+        prompt, answer = self._make_seq(11, 2), self._make_seq(500, 2) + [999]  # the last token has no KV yet
+        from_prefill = self._produce(storage_dir, prompt, seed=1)
+        dec, alloc, rtp = build_fixture(self.cfg)
+        self._init_hicache(dec, storage_backend="dynamic", storage_dir=storage_dir)  # the global args the manager reads
+        with mock.patch.object(torch.distributed, "get_world_size", lambda group=None: 1):  # one rank, no process group
+            manager = DecodeKVCacheOffloadManager(rtp, alloc, None, dec)
+        self.addCleanup(manager.cache_controller.detach_storage_backend)
+        self.addCleanup(manager.release_host_resources)
+        req, slots = self._make_inflight_req(dec, alloc, rtp, prompt, answer, allocated=True)
+        self._fill_all_layers(alloc, slots, seed=2)
+        from_decode = self._read_all_layers(alloc, slots[len(prompt):len(prompt) + 2 * ps])
+        written: list[list[str]] = []
+
+        def recording(real: Any) -> Any:
+            def call(backend: TierStoreBackend, keys: Any, *a: Any, **kw: Any) -> Any:
+                written.append(list(keys))
+                return real(backend, keys, *a, **kw)
+            return call
+
+        with mock.patch.object(TierStoreBackend, "batch_set_v1", recording(TierStoreBackend.batch_set_v1)), \
+                mock.patch.object(TierStoreBackend, "batch_set", recording(TierStoreBackend.batch_set)):
+            self.assertTrue(manager.offload_kv_cache(req))
+            self._pump_hicache_until(dec, lambda: (manager.check_offload_progress() or True) and not manager.ongoing_offload
+                                     and not manager.ongoing_backup, "the decode's offload to L3")
+        seq = prompt + answer[:-1]
+        self.assertEqual(sum(len(k) for k in written), 2)  # the answer's two pages, not the prompt's again
+        got, _ = self._consume(storage_dir, seq)
+        for b, (p_part, d_part) in enumerate(zip(from_prefill, from_decode)):
+            self.assertTrue(torch.equal(got[b][:len(prompt)], p_part), f"buffer {b}: the prompt's KV")
+            self.assertTrue(torch.equal(got[b][len(prompt):], d_part), f"buffer {b}: the answer's KV")
+
+
 class TierStoreTreeLegacy(TierStoreTree):
     """Without interface_v1 SGLang takes the legacy copy path: batch_get / batch_set."""
 
