@@ -191,10 +191,19 @@ def entry_fields(ns_id: bytes, keys: Sequence[str]) -> list[bytes]:
         return [entry_field(ns_id, k) for k in keys]
 
 
+def shards_of(fields: Sequence[bytes], shards: int) -> list[int]:
+    """Each page's shard: a hash of its entry field. A batch is split by shard and each
+    part is one function call per shard (by default one shard per master: one call per
+    master). One comprehension for a batch: the hot path's."""
+    if shards == 1:
+        return [0] * len(fields)
+    h = xxhash.xxh3_64_intdigest
+    return [h(f) % shards for f in fields]
+
+
 def shard_of(field: bytes, shards: int) -> int:
-    """A page's shard: a hash of its entry field. A batch is split by shard and each
-    part is one function call (with one shard, the default, a batch is one call)."""
-    return 0 if shards == 1 else xxhash.xxh3_64_intdigest(field) % shards
+    """One page's shard (:func:`shards_of`)."""
+    return shards_of([field], shards)[0]
 
 
 def glob_escape(raw: bytes) -> bytes:

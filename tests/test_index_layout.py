@@ -14,15 +14,16 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-from tierstore_kit.engine import keys
-from tierstore_kit.servers import RedisProc, free_cluster_port
+import xxhash
 from monitor import Monitor, monitor_args
-from tierstore_kit.engine import MiB, engine, housekeep, pages, read, views
+from tierstore_kit.engine import MiB, engine, housekeep, keys, pages, read, views
+from tierstore_kit.servers import RedisProc, free_cluster_port
 
 from sglang_tierstore import TierStore
 from sglang_tierstore.tools import inspect
 from sglang_tierstore.schema import entry_fields, shard_of
 from sglang_tierstore.space.attach import lock_key
+from sglang_tierstore.space.attachment import by_shard
 from sglang_tierstore.space.library import LIBRARY
 
 # Commands the functions may issue, all with exactly one key, right after the command name.
@@ -230,3 +231,15 @@ def test_check_streams_in_bounded_calls_and_leaves_traffic_alone(tmp_path: Path,
                 assert int(args[args.index("COUNT") + 1]) <= 256
     assert calls > n // 256  # streamed: many small calls...
     assert biggest <= 2 * 256 + 15  # ...none over the whole store (HSCAN COUNT is a hint: whole buckets come back)
+
+
+def test_a_batch_splits_by_the_shard_its_pages_hash_to() -> None:
+    """The layout every stored page was placed by: shard = xxh3-64 of its entry field modulo
+    the shards (a change would strand every store's pages). A batch is split by it, each
+    position once, shards in order."""
+    fields = entry_fields(b"ns-id-16-bytes!!", keys(300, "split"))
+    for shards in (1, 3, 12):
+        parts = by_shard(fields, shards)
+        assert list(parts) == sorted(parts) and sorted(i for p in parts.values() for i in p) == list(range(300))
+        assert all(xxhash.xxh3_64_intdigest(fields[i]) % shards == s for s, p in parts.items() for i in p)
+        assert all(shard_of(fields[i], shards) == s for s, p in parts.items() for i in p)

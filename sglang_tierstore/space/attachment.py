@@ -18,7 +18,7 @@ from sglang_tierstore.index import RedisIndex
 from sglang_tierstore.metrics import Metrics, RateLimitedLog
 from sglang_tierstore.pagefile import FileRef, Moved, PageFiles, Transfer
 from sglang_tierstore.perms import Modes
-from sglang_tierstore.schema import glob_escape, meta_key, parse_ns_value, shard_key, shard_of
+from sglang_tierstore.schema import glob_escape, meta_key, parse_ns_value, shard_key, shards_of
 from sglang_tierstore.space.attach import Home
 from sglang_tierstore.space.files import Files
 from sglang_tierstore.space.geometry import Geometry
@@ -38,13 +38,13 @@ class Place(NamedTuple):
 
 
 def by_shard(fields: Sequence[bytes], shards: int) -> dict[int, list[int]]:
-    """Positions of ``fields`` by the shard each belongs to."""
+    """Positions of ``fields`` by the shard each belongs to (shards in order)."""
     if shards == 1:
         return {0: list(range(len(fields)))} if fields else {}
-    parts: dict[int, list[int]] = {}
-    for i, f in enumerate(fields):
-        parts.setdefault(shard_of(f, shards), []).append(i)
-    return parts
+    groups: list[list[int]] = [[] for _ in range(shards)]
+    for i, s in enumerate(shards_of(fields, shards)):
+        groups[s].append(i)
+    return {s: g for s, g in enumerate(groups) if g}
 
 
 class Attachment:
