@@ -157,17 +157,23 @@ class Housekeeper:
             self._wake.set()
 
     def sweep(self, a: Attachment, release_idle: bool = False) -> int:
-        """One sweep call per shard, then the stocks tidied (``release_idle``: every lease
-        not writing given back); the regions and leases handled in all."""
+        """Every shard's sweep in one round trip (one call per shard, so one per master by
+        default), then what they freed punched out of the files and reported back in another,
+        then the stocks tidied (``release_idle``: every lease not writing given back); the
+        regions and leases handled in all. A shard whose call failed is skipped this pass;
+        the first such error is raised once the others are handled."""
         space, leases, g = self.space, a.leases, a.geometry
+        now = space.clock()
+        mark = leases.mark()  # before the sweeps are sent: replies after it are newer than their view
+        ours = leases.lease_ids()
+        args = [g.store_id, repr(now), repr(now + space.cfg.lease_s), a.files.dirs, repr(space.cfg.free_target),
+                MAX_WORK, repr(now - space.cfg.lease_s), len(ours), *ours]
+        replies = space.index.calls_each([("sweep", a.shard_keys(s), args) for s in range(g.shards)])
         work = draining = 0
-        for s in range(g.shards):
-            now = space.clock()
-            mark = leases.mark()  # before the sweep is sent: replies after it are newer than its view
-            ours = leases.lease_ids()
-            raw = space.index.call("sweep", a.shard_keys(s),
-                                   [g.store_id, repr(now), repr(now + space.cfg.lease_s), a.files.dirs,
-                                    repr(space.cfg.free_target), MAX_WORK, repr(now - space.cfg.lease_s), len(ours), *ours])
+        punches = []
+        for s, raw in enumerate(replies):
+            if isinstance(raw, Exception):
+                continue
             expired, slots, evicted, pages, drain, npunch = (int(x) for x in raw[:6])
             leases.renewed(s, now, {x.decode() if isinstance(x, bytes) else str(x) for x in raw[6 + npunch :]}, mark)
             space.metrics.housekeeping("leases_expired", expired)
@@ -176,10 +182,14 @@ class Housekeeper:
             space.metrics.housekeeping("pages_evicted", pages)
             punched = a.files.punch(int(x) for x in raw[6 : 6 + npunch])
             if punched:
-                space.metrics.housekeeping("deallocated", int(space.index.call("punched", a.shard_keys(s),
-                                                                               [g.store_id, *punched])))
+                punches.append(("punched", a.shard_keys(s), [g.store_id, *punched]))
             draining += drain
             work += expired + evicted + len(punched)
+        if punches:
+            space.metrics.housekeeping("deallocated", sum(int(n) for n in space.index.calls(punches)))
+        failed = next((raw for raw in replies if isinstance(raw, Exception)), None)
+        if failed is not None:
+            raise failed
         self._draining = draining > 0
         space.metrics.housekeeping("stocks_tidied", leases.tidy(draining > 0, release_idle))
         return work
