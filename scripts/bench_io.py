@@ -92,12 +92,14 @@ import uuid
 from types import SimpleNamespace
 from unittest import mock
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Callable, Generator, Optional, Protocol, TypeVar
 
 import torch
-from tierstore_kit.iobench import BATCH, GEOMETRY, REDIS_FLAGS, backend, drop_cache, page_nbytes, sgl_key, start_redis
+from tierstore_kit.iobench import BATCH, GEOMETRY, backend, drop_cache, page_nbytes, sgl_key
 from tierstore_kit.pools import fill, mha_pool, mla_pool, page_indices, storage_config
 from tierstore_kit.provenance import header, stamp
+from tierstore_kit.servers import RedisProc
 from tierstore_kit.stats import Interval, med, paired_ratio, say, spread, timed, unpaired_ratio
 from sglang.srt.mem_cache.hicache_storage import HiCacheFile, PoolName, PoolTransfer
 
@@ -762,11 +764,12 @@ def main() -> int:
         ap.error(f"--systems: a subset of {','.join(SYSTEMS)}, without --mixed")
     os.makedirs(a.dir, exist_ok=True)
     work = tempfile.mkdtemp(dir=a.dir)
-    redis_proc, url = start_redis(work)
+    redis = RedisProc(Path(work))
+    url = redis.url
     units = {"K": 1 << 10, "M": 1 << 20}
     rng = random.Random(a.seed)
     report: dict[str, Any] = {
-        "stamp": stamp(directory=a.dir, server_flags=REDIS_FLAGS),
+        "stamp": stamp(directory=a.dir, server_flags=redis.flags()),
         "threads": a.threads, "batch": BATCH, "repeat": a.repeat, "seed": a.seed, "sizes": {},
     }
     print(header(report["stamp"]))
@@ -790,7 +793,7 @@ def main() -> int:
             report["probe"]["ratios"] = probe_ratios(report["probe"])
             print_probe(report["probe"])
     finally:
-        redis_proc.kill()
+        redis.stop()
         shutil.rmtree(work, ignore_errors=True)
     if a.out:
         with open(a.out, "w") as f:

@@ -35,12 +35,13 @@ import shutil
 import sys
 import tempfile
 import uuid
+from pathlib import Path
 from typing import Any
 
-import torch
-from tierstore_kit.iobench import BATCH, GEOMETRY, REDIS_FLAGS, backend, drop_cache, page_nbytes, sgl_key, start_redis
-from tierstore_kit.pools import mha_pool, page_indices
+from tierstore_kit.iobench import BATCH, GEOMETRY, backend, drop_cache, page_nbytes, sgl_key
+from tierstore_kit.pools import fill, mha_pool, page_indices
 from tierstore_kit.provenance import header, stamp
+from tierstore_kit.servers import RedisProc
 from tierstore_kit.stats import med, spread, timed
 
 from sglang_tierstore import TierStoreBackend
@@ -105,9 +106,10 @@ def main() -> int:
     a = ap.parse_args()
     os.makedirs(a.dir, exist_ok=True)
     work = tempfile.mkdtemp(dir=a.dir)
-    redis_proc, url = start_redis(work)
+    redis = RedisProc(Path(work))
+    url = redis.url
     units = {"K": 1 << 10, "M": 1 << 20}
-    report: dict[str, Any] = {"stamp": stamp(directory=a.dir, server_flags=REDIS_FLAGS), "threads": a.threads,
+    report: dict[str, Any] = {"stamp": stamp(directory=a.dir, server_flags=redis.flags()), "threads": a.threads,
                               "batch": BATCH, "repeat": a.repeat, "seed": a.seed, "sizes": {},
                               "machine": {"loadavg_at_start": os.getloadavg()}}
     print(header(report["stamp"]))
@@ -118,8 +120,7 @@ def main() -> int:
             size = int(spec[:-1]) * units[spec[-1]]
             p, layers, heads, dim = GEOMETRY[size]
             pool = mha_pool("page_first_direct", page_size=p, layers=layers, heads=heads, head_dim=dim, tokens=BATCH * p)
-            raw = pool.kv_buffer.view(-1).view(torch.uint8)
-            raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(0)))
+            fill(pool, 0)
             row: dict[str, Any] = {"page_bytes": page_nbytes(pool)}
             for store, o_direct in STORES.items():
                 d = os.path.join(work, uuid.uuid4().hex[:8])
@@ -129,13 +130,13 @@ def main() -> int:
                     row[store]["zero_copy_o_direct"] = o_direct and be.zero_copy()
                 shutil.rmtree(d, ignore_errors=True)
             row["copy_us_per_page"], row["regions_per_page"] = copy_us_per_page(pool, a.repeat)
-            del pool, raw
+            del pool
             report["sizes"][spec] = row
             print_row(spec, row)
         report["machine"]["loadavg_at_end"] = os.getloadavg()
         print(f"\nload average at end {os.getloadavg()[0]:.1f}")
     finally:
-        redis_proc.kill()
+        redis.stop()
         shutil.rmtree(work, ignore_errors=True)
     if a.out:
         with open(a.out, "w") as f:

@@ -236,7 +236,7 @@ class TierStoreBackend(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no
         of other TP sizes (``tp_lcm_size`` in the storage config; heads.py), or None: the
         pool's pages are this rank's own."""
         c = self.storage_config
-        lcm = getattr(c, "tp_lcm_size", None)
+        lcm = c.tp_lcm_size
         if not lcm or name != KV or c.is_mla_model:
             return None  # (MLA's KV is the same on every rank already: one namespace for all)
         if plan is None:

@@ -17,19 +17,18 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from sglang_tierstore.schema import ALIGN  # what O_DIRECT needs of a slice's length (its start follows from the page's)
+
 HEADS_AXIS = 2  # of a page_head page's shape (2, 1, heads, page_size, layers, head_dim)
 PAGE_HEAD_DIMS = 6
-ALIGN = 4096  # what O_DIRECT needs of a slice's length (its start follows from the page's)
 
 
 def split_factor(layout: str, shape: Sequence[int], regions: Sequence[int], tp_size: int,
-                 tp_lcm_size: Optional[int]) -> tuple[Optional[int], str]:
+                 tp_lcm_size: int) -> tuple[Optional[int], str]:
     """How many slices a page of this pool splits into for sharing across TP sizes (1 at TP
-    ``lcm`` itself), or None with the reason it does not share: ``tp_lcm_size`` unset, a
-    layout other than ``page_head`` (its pages interleave the heads), an unexpected page
-    shape, or heads that do not divide (GQA heads replicated over ranks)."""
-    if not tp_lcm_size:
-        return None, "tp_lcm_size is not set"
+    ``lcm`` itself), or None with the reason it does not share: a layout other than
+    ``page_head`` (its pages interleave the heads), an unexpected page shape, or heads that
+    do not divide (GQA heads replicated over ranks)."""
     if layout != "page_head":
         return None, f"layout {layout!r} is not page_head"
     if len(shape) != PAGE_HEAD_DIMS or shape[0] != 2 or len(regions) != 2 or regions[0] != regions[1]:

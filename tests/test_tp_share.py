@@ -10,6 +10,7 @@ pages only with ``--hicache-io-backend kernel``, whose transfer ops are CUDA ker
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -68,11 +69,16 @@ def test_a_page_with_a_slice_missing_is_a_miss(extra: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("lcm,layout", [(None, "page_head"), (2, "page_first")], ids=["no-lcm", "page_first"])
-def test_without_tp_lcm_size_or_page_head_the_sizes_stay_apart(extra: dict[str, Any], lcm: int | None, layout: str) -> None:
+def test_without_tp_lcm_size_or_page_head_the_sizes_stay_apart(extra: dict[str, Any], lcm: int | None, layout: str,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """Each rank keeps its own namespace; a pool given ``tp_lcm_size`` that cannot share says why."""
     whole, halves = tp_pools(layout, HEADS, 64, PAGE, LAYERS)
     with tp1(extra, lcm, layout) as one, tp2(extra, 0, lcm, layout) as r0, tp2(extra, 1, lcm, layout) as r1:
-        for be, pool in ((one, whole), (r0, halves[0]), (r1, halves[1])):
-            be.register_mem_pool_host(pool)
+        with caplog.at_level(logging.WARNING, logger="sglang_tierstore"):
+            for be, pool in ((one, whole), (r0, halves[0]), (r1, halves[1])):
+                be.register_mem_pool_host(pool)
+        said = [r.getMessage() for r in caplog.records if "not shared across TP sizes" in r.getMessage()]
+        assert len(said) == (3 if lcm else 0) and all("is not page_head" in m for m in said), said
         assert len({one.namespace().ns, r0.namespace().ns, r1.namespace().ns}) == 3
         ks = keys(2, "apart")
         assert one.batch_set_v1(ks, page_indices([0, 1], PAGE)) == [True] * 2

@@ -1,23 +1,18 @@
 """What the page-I/O benchmarks (bench_io.py, bench_staging.py) share: the batch and the page
-geometries they measure, SGLang-like keys, a backend over a host pool, a private
-redis-server, and flushing written pages out of every cache before reads are timed."""
+geometries they measure, SGLang-like keys, a backend over a host pool, and flushing written
+pages out of every cache before reads are timed."""
 
 from __future__ import annotations
 
 import hashlib
 import os
-import socket
-import subprocess
-import time
 import uuid
 from typing import Any
 
 from sglang_tierstore import TierStoreBackend
 from tierstore_kit.pools import storage_config
-from tierstore_kit.servers import free_port
 
 BATCH = 128
-REDIS_FLAGS = ["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
 # page bytes -> MHA geometry (tokens per page, layers, KV heads, head dim), bf16, K and V
 GEOMETRY = {
     64 << 10: (4, 8, 8, 64),  # the smoke runs' size: the same code, a quarter of the bytes
@@ -52,17 +47,6 @@ def drop_cache(root: str, only: str = "") -> None:
                 os.close(fd)
 
 
-def start_redis(workdir: str) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    proc = subprocess.Popen(["redis-server", "--port", str(port), *REDIS_FLAGS, "--dir", workdir],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(200):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
-            break
-        except OSError:
-            time.sleep(0.05)
-    return proc, f"redis://127.0.0.1:{port}/0"
 
 
 def backend(path: str, redis_url: str, threads: int, mla: bool = False, model: str = "bench", **extra: Any) -> TierStoreBackend:

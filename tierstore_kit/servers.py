@@ -82,11 +82,13 @@ class RedisProc:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
+    def flags(self) -> list[str]:
+        """Its options but the port and directory (what a result's stamp records)."""
+        return ["--bind", "127.0.0.1", "--save", "", "--appendonly", "yes" if self.appendonly else "no",
+                "--protected-mode", "no", *self.args]
+
     def command(self) -> list[str]:
-        return [
-            self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
-            "--save", "", "--appendonly", "yes" if self.appendonly else "no", "--protected-mode", "no", *self.args,
-        ]
+        return [self.binary, "--port", str(self.port), "--dir", str(self.dir), *self.flags()]
 
     def ping(self) -> bool:
         """One PING; raises OSError while the server does not accept connections."""
